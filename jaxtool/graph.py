@@ -1,0 +1,139 @@
+"""The computational graph of a jaxpr, with call primitives inlined, and its vertex numbering.
+
+``flatten(closed_jaxpr)`` turns a (closed) jaxpr into a :class:`FlatProgram`: a straight list of
+equations in which ``jit``, ``closed_call``, ``core_call`` and ``remat`` calls are replaced by their
+bodies (recursively). Every value an equation defines is a *vertex*, numbered 1..N in definition
+order; an equation with k results defines k consecutive vertices. Inputs and constants are not
+vertices. This numbering is the one ``jaxtool show --vertices`` prints and the one elimination orders
+(``jaxtool jac --order``) are written in; for single-result equations it equals the equation index of
+the inlined jaxpr (graphax's numbering).
+
+Each :class:`FlatEqn` remembers its ``path``: the equation indices that lead to it through the
+nesting of the original jaxpr (``(3,)`` is the fourth top-level equation, ``(3, 0)`` the first
+equation inside it), so printers can show vertex numbers on the original, nested jaxpr.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import jax
+import jax.extend.core as jcore
+from jax.extend.core import primitives as P
+
+#: Call-like primitives whose body is inlined into the graph. ``remat2`` is ``jax.checkpoint``.
+INLINED = frozenset(p.name for p in (P.jit_p, P.closed_call_p, P.call_p, P.remat_p))
+
+
+@dataclass(frozen=True)
+class Input:
+    """The ``index``-th flat input of the program."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Const:
+    """A constant: a literal, a closed-over array or a Python scalar."""
+
+    value: Any
+
+
+#: What an equation reads: a vertex number (int), an :class:`Input` or a :class:`Const`.
+Atom = Union[int, Input, Const]
+
+
+@dataclass(frozen=True)
+class FlatEqn:
+    """One equation of the inlined program."""
+
+    primitive: Any  # jax.extend.core.Primitive
+    params: dict
+    invars: tuple  # tuple[Atom, ...]
+    outvars: tuple  # tuple[int, ...]: vertex numbers (a dropped result ``_`` still gets one)
+    source_info: Any
+    path: tuple  # tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+
+@dataclass
+class FlatProgram:
+    """A program in inlined form: inputs, equations, outputs, and the aval of every vertex."""
+
+    in_avals: tuple
+    eqns: list
+    outvars: tuple  # tuple[Atom, ...]
+    avals: dict = field(default_factory=dict)  # vertex number -> aval
+    vertex_eqn: dict = field(default_factory=dict)  # vertex number -> index into eqns
+
+    @property
+    def num_vertices(self) -> int:
+        return len(self.avals)
+
+    def vertices_by_path(self) -> dict:
+        """Map each equation path of the original (nested) jaxpr to the vertex numbers it defines."""
+        return {e.path: e.outvars for e in self.eqns}
+
+    def aval(self, atom) -> Any:
+        """The abstract value of an atom."""
+        if isinstance(atom, Input):
+            return self.in_avals[atom.index]
+        if isinstance(atom, Const):
+            return jax.typeof(atom.value)
+        return self.avals[atom]
+
+
+def _body(eqn):
+    """The (jaxpr, consts) of an inlined call equation."""
+    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(body, jcore.ClosedJaxpr):
+        return body.jaxpr, body.consts
+    return body, ()
+
+
+def flatten(closed_jaxpr) -> FlatProgram:
+    """Inline call primitives and number the vertices of ``closed_jaxpr`` (a ClosedJaxpr or Jaxpr)."""
+    if isinstance(closed_jaxpr, jcore.ClosedJaxpr):
+        jaxpr, consts = closed_jaxpr.jaxpr, closed_jaxpr.consts
+    else:
+        jaxpr, consts = closed_jaxpr, ()
+    program = FlatProgram(in_avals=tuple(v.aval for v in jaxpr.invars), eqns=[], outvars=())
+    env = {v: Const(c) for v, c in zip(jaxpr.constvars, consts)}
+    env.update({v: Input(i) for i, v in enumerate(jaxpr.invars)})
+    program.outvars = tuple(_walk(program, jaxpr, env, ()))
+    return program
+
+
+def _read(env, var):
+    if isinstance(var, jcore.Literal):
+        return Const(var.val)
+    return env[var]
+
+
+def _walk(program: FlatProgram, jaxpr, env: dict, path: tuple) -> list:
+    for index, eqn in enumerate(jaxpr.eqns):
+        invars = tuple(_read(env, v) for v in eqn.invars)
+        if eqn.primitive.name in INLINED:
+            body, body_consts = _body(eqn)
+            inner = {v: Const(c) for v, c in zip(body.constvars, body_consts)}
+            inner.update(zip(body.invars, invars))
+            results = _walk(program, body, inner, path + (index,))
+            for var, atom in zip(eqn.outvars, results):
+                if not isinstance(var, jcore.DropVar):
+                    env[var] = atom
+            continue
+        outs = []
+        for var in eqn.outvars:
+            number = len(program.avals) + 1
+            program.avals[number] = var.aval
+            program.vertex_eqn[number] = len(program.eqns)
+            outs.append(number)
+            if not isinstance(var, jcore.DropVar):
+                env[var] = number
+        program.eqns.append(FlatEqn(eqn.primitive, dict(eqn.params), invars, tuple(outs),
+                                    eqn.source_info, path + (index,)))
+    return [_read(env, v) for v in jaxpr.outvars]

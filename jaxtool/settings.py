@@ -1,0 +1,65 @@
+"""Global settings shared by all subcommands: backend, x64, colour, verbosity.
+
+No JAX import at module level; :meth:`Settings.activate` imports and configures JAX.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from jaxtool.errors import UsageError
+
+
+@dataclass
+class Settings:
+    backend: str = "cpu"
+    x64: bool = False
+    color: str = "auto"
+    quiet: bool = False
+    debug: bool = False
+
+    @property
+    def use_color(self) -> bool:
+        """Whether to colour stdout: ``--color``, then ``NO_COLOR``, then is-a-terminal."""
+        if self.color == "always":
+            return True
+        if self.color == "never" or os.environ.get("NO_COLOR"):
+            return False
+        return sys.stdout.isatty()
+
+    def console(self, *, stderr: bool = False):
+        """A rich console for stdout (data) or stderr (diagnostics) honouring the colour setting."""
+        from rich.console import Console
+
+        color = self.use_color if not stderr else (self.color != "never" and not os.environ.get("NO_COLOR")
+                                                   and (self.color == "always" or sys.stderr.isatty()))
+        return Console(file=sys.stderr if stderr else sys.stdout, force_terminal=color, no_color=not color,
+                       highlight=False, soft_wrap=True, width=None if color else 200)
+
+    def note(self, message: str) -> None:
+        """A diagnostic note on stderr, unless ``--quiet``."""
+        if not self.quiet:
+            print(message, file=sys.stderr)
+
+    def activate(self, *, require_device: bool = True) -> None:
+        """Import JAX and apply the backend and x64 settings.
+
+        With ``require_device``, asking for a GPU where JAX sees none is a :class:`UsageError`.
+        """
+        if self.backend == "cpu":
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        import jax
+
+        jax.config.update("jax_enable_x64", bool(self.x64))
+        if self.backend == "gpu" and require_device:
+            try:
+                devices = jax.devices("gpu")
+            except RuntimeError:
+                devices = []
+            if not devices:
+                raise UsageError("--backend gpu: JAX sees no GPU on this machine (try --backend cpu)")
+            jax.config.update("jax_default_device", devices[0])
+        elif self.backend == "cpu":
+            jax.config.update("jax_default_device", jax.devices("cpu")[0])
