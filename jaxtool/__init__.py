@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "load": ("jaxtool.loading", "load"),
-    "jacve": ("jaxtool.jacve", "jacve"),
+    "jacve": ("jaxtool.jacobian", "jacve"),
 }
 
 

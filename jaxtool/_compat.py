@@ -5,3 +5,8 @@ Each import below says why the public API is not enough and since which JAX vers
 """
 
 from __future__ import annotations
+
+# --- primitives missing from jax.extend.core.primitives ---------------------------------------
+# `split_p` (jnp.split, lax.split) is not re-exported by jax.extend.core.primitives in JAX 0.10.2;
+# it has lived in jax._src.lax.lax since JAX 0.4.36. Used by jaxtool.rules to register its rule.
+from jax._src.lax.lax import split_p  # noqa: E402

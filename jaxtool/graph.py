@@ -137,3 +137,27 @@ def _walk(program: FlatProgram, jaxpr, env: dict, path: tuple) -> list:
         program.eqns.append(FlatEqn(eqn.primitive, dict(eqn.params), invars, tuple(outs),
                                     eqn.source_info, path + (index,)))
     return [_read(env, v) for v in jaxpr.outvars]
+
+
+def bind(eqn: FlatEqn, *args):
+    """Apply ``eqn``'s primitive to ``args`` (as ``jax.core.eval_jaxpr`` does, call primitives included)."""
+    return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+
+
+def evaluate(program: FlatProgram, args) -> dict:
+    """Run ``program`` on flat ``args``; return the value of every vertex (number -> array)."""
+    values: dict = {}
+
+    def read(atom):
+        if isinstance(atom, Input):
+            return args[atom.index]
+        if isinstance(atom, Const):
+            return atom.value
+        return values[atom]
+
+    for eqn in program.eqns:
+        outs = bind(eqn, *(read(a) for a in eqn.invars))
+        if not eqn.primitive.multiple_results:
+            outs = (outs,)
+        values.update(zip(eqn.outvars, outs))
+    return values

@@ -1,0 +1,246 @@
+"""Vertex (cross-country) elimination on the computational graph of a flat program.
+
+:func:`build` evaluates a :class:`~jaxtool.graph.FlatProgram`, keeps the vertices that depend on the
+differentiated inputs and reach an output, and attaches to every edge ``u -> v`` the structured
+local partial ``dv/du`` from :mod:`jaxtool.rules` (partials of an equation that reads the same
+value twice are summed). Eliminating a vertex ``v`` replaces every path ``u -> v -> w`` by the
+edge ``u -> w`` with partial ``dw/dv . dv/du``, added to any existing ``u -> w``. When every
+eliminable vertex is gone, the edges from inputs to outputs are the Jacobian.
+
+The same code runs on *plans* (partials without values, see :mod:`jaxtool.partials`): costing
+an order, or choosing one greedily, needs shapes and structures only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from jaxtool.errors import UnsupportedError, UsageError
+from jaxtool.graph import Const, FlatProgram, Input, evaluate, flatten
+from jaxtool.partials import Cost, Partial, Sparse, add, matmul
+from jaxtool.rules import is_differentiable, partials_of
+
+
+def input_node(index: int) -> int:
+    """Graph node of the ``index``-th flat input (inputs are negative, vertices 1..N, sinks above N)."""
+    return -(index + 1)
+
+
+def _node(atom):
+    if isinstance(atom, Input):
+        return input_node(atom.index)
+    if isinstance(atom, Const):
+        return None
+    return atom
+
+
+@dataclass
+class EdgeGraph:
+    """Edges with their partials, indexed both ways."""
+
+    preds: dict = field(default_factory=dict)  # v -> {u: partial}
+    succs: dict = field(default_factory=dict)  # u -> {v: partial}
+
+    def add_edge(self, u: int, v: int, partial: Partial) -> Cost:
+        """Add ``partial`` to edge ``u -> v``; the cost of the sum if the edge existed."""
+        cost = Cost()
+        old = self.preds.get(v, {}).get(u)
+        if old is not None:
+            partial, cost = add(old, partial)
+        self.preds.setdefault(v, {})[u] = partial
+        self.succs.setdefault(u, {})[v] = partial
+        return cost
+
+    def plan(self) -> "EdgeGraph":
+        """The same graph with every partial reduced to its plan (structure, no values)."""
+        g = EdgeGraph()
+        for v, preds in self.preds.items():
+            for u, p in preds.items():
+                g.add_edge(u, v, p.plan())
+        return g
+
+    def elimination_cost(self, v: int) -> Cost:
+        """What eliminating ``v`` now would cost (products and the sums they cause)."""
+        total = Cost()
+        for u, a in self.preds.get(v, {}).items():
+            for w, b in self.succs.get(v, {}).items():
+                c, cost = matmul(b.plan(), a.plan())
+                total += cost
+                old = self.preds.get(w, {}).get(u)
+                if old is not None:
+                    total += add(old.plan(), c)[1]
+        return total
+
+    def eliminate(self, v: int) -> Cost:
+        """Eliminate vertex ``v``; return the multiplications and additions it took."""
+        preds = self.preds.pop(v, {})
+        succs = self.succs.pop(v, {})
+        for u in preds:
+            del self.succs[u][v]
+        for w in succs:
+            del self.preds[w][v]
+        total = Cost()
+        for u, a in preds.items():
+            for w, b in succs.items():
+                c, cost = matmul(b, a)
+                total += cost + self.add_edge(u, w, c)
+        return total
+
+    def neighbours(self, v: int) -> set:
+        return set(self.preds.get(v, {})) | set(self.succs.get(v, {}))
+
+
+@dataclass
+class Problem:
+    """A computational graph ready for elimination."""
+
+    program: FlatProgram
+    graph: EdgeGraph
+    wrt: tuple  # flat input indices differentiated
+    outputs: tuple  # per flat output: a graph node (int) or a Const
+    eliminable: tuple  # vertex numbers an order must list (all but outputs no equation reads)
+    out_avals: tuple
+    out_values: tuple = ()  # the program's primal outputs
+
+    def plan(self) -> "Problem":
+        return Problem(self.program, self.graph.plan(), self.wrt, self.outputs, self.eliminable, self.out_avals)
+
+
+def build(program: FlatProgram, args, wrt) -> Problem:
+    """Evaluate ``program`` on flat ``args`` and build the graph of partials w.r.t. inputs ``wrt``."""
+    wrt = tuple(sorted(wrt))
+    for i in wrt:
+        aval = program.in_avals[i]
+        if not is_differentiable(aval):
+            raise UsageError(f"input {i} has dtype {aval.dtype}: only real floating-point inputs can be differentiated")
+    values = evaluate(program, args)
+    n = program.num_vertices
+    active = {input_node(i) for i in wrt}
+    for eqn in program.eqns:
+        if any(_node(a) in active for a in eqn.invars):
+            for v in eqn.outvars:
+                aval = program.avals[v]
+                if is_differentiable(aval):
+                    active.add(v)
+                elif jnp.issubdtype(aval.dtype, jnp.complexfloating):
+                    from jaxtool.source import location
+
+                    raise UnsupportedError(f"complex-valued result of '{eqn.name}' ({aval.str_short()}) depends on "
+                                           "a differentiated input; jaxtool differentiates real-valued programs only",
+                                           primitive=eqn.name, location=location(eqn.source_info))
+    out_nodes = [_node(a) for a in program.outvars]
+    useful = {v for v in out_nodes if v is not None}
+    for eqn in reversed(program.eqns):
+        if any(v in useful for v in eqn.outvars):
+            useful.update(_node(a) for a in eqn.invars if _node(a) is not None)
+    live = active & useful
+
+    def read(atom):
+        if isinstance(atom, Input):
+            return args[atom.index]
+        if isinstance(atom, Const):
+            return atom.value
+        return values[atom]
+
+    graph = EdgeGraph()
+    for eqn in program.eqns:
+        positions = [i for i, a in enumerate(eqn.invars) if _node(a) in live]
+        if not positions or not any(v in live for v in eqn.outvars):
+            continue
+        invals = [read(a) for a in eqn.invars]
+        outvals = [values[v] for v in eqn.outvars]
+        for i, k, partial in partials_of(eqn, invals, outvals, positions):
+            v = eqn.outvars[k]
+            if v in live:
+                graph.add_edge(_node(eqn.invars[i]), v, partial)
+
+    # an output that later equations read gets a sink copy, so that it is eliminated like any intermediate
+    outputs = []
+    sinks = {}
+    for v in out_nodes:
+        if v is not None and v > 0 and graph.succs.get(v):
+            if v not in sinks:
+                sinks[v] = n + 1 + len(sinks)
+                graph.add_edge(v, sinks[v], Sparse.identity(program.avals[v].shape, program.avals[v].dtype))
+            outputs.append(sinks[v])
+        elif v is None:
+            outputs.append(program.outvars[len(outputs)])
+        else:
+            outputs.append(v)
+    pure_outputs = {v for v in out_nodes if v is not None and v > 0 and v not in sinks}
+    eliminable = tuple(v for v in range(1, n + 1) if v not in pure_outputs)
+    out_avals = tuple(program.aval(a) for a in program.outvars)
+    out_values = tuple(read(a) for a in program.outvars)
+    return Problem(program, graph, wrt, tuple(outputs), eliminable, out_avals, out_values)
+
+
+def run(problem: Problem, order) -> Cost:
+    """Eliminate the vertices of ``order`` (already validated) in turn; the total cost."""
+    total = Cost()
+    for v in order:
+        total += problem.graph.eliminate(v)
+    return total
+
+
+def blocks(problem: Problem) -> list:
+    """The Jacobian as dense blocks ``[output][wrt input]``, each ``out.shape + in.shape``."""
+    program = problem.program
+    result = []
+    for out, out_aval in zip(problem.outputs, problem.out_avals):
+        row = []
+        for i in problem.wrt:
+            in_aval = program.in_avals[i]
+            shape = tuple(out_aval.shape) + tuple(in_aval.shape)
+            dtype = _block_dtype(out_aval, in_aval)
+            if not isinstance(out, Const) and out == input_node(i):
+                size = int(np.prod(in_aval.shape))
+                row.append(jnp.eye(size, dtype=dtype).reshape(shape))
+                continue
+            partial = None if isinstance(out, Const) else problem.graph.preds.get(out, {}).get(input_node(i))
+            if partial is None:
+                row.append(jnp.zeros(shape, dtype))
+            else:
+                row.append(partial.to_dense().astype(dtype).reshape(shape))
+        result.append(row)
+    return result
+
+
+def _block_dtype(out_aval, in_aval):
+    """``jax.jacrev``'s dtype for a block: the output's if it is floating, else the input's."""
+    return out_aval.dtype if is_differentiable(out_aval) else in_aval.dtype
+
+
+def linear_partials(fn, primals, tangents, wrt, outs) -> list:
+    """Structured partials of ``fn(primals, tangents)``, a function linear in ``tangents``.
+
+    ``tangents[t]`` is the tangent of equation input ``wrt[t]``; ``fn`` returns one tangent per
+    equation output, of which ``outs`` are differentiable. Returns ``(wrt[t], k, partial)`` triples.
+    Used for custom JVP rules, whose tangent program keeps its structure this way.
+    """
+    from jaxtool.orders import resolve_order
+
+    closed = jax.make_jaxpr(fn)(primals, tangents)
+    program = flatten(closed)
+    flat_primals = jax.tree_util.tree_leaves(primals)
+    args = list(flat_primals) + list(tangents)
+    first = len(flat_primals)
+    problem = build(program, args, range(first, first + len(tangents)))
+    run(problem, resolve_order("markowitz", problem))
+    result = []
+    for k in outs:
+        out = problem.outputs[k]
+        if isinstance(out, Const):
+            continue
+        for t, i in enumerate(wrt):
+            node = input_node(first + t)
+            if out == node:
+                aval = program.in_avals[first + t]
+                result.append((i, k, Sparse.identity(aval.shape, aval.dtype)))
+            elif node in problem.graph.preds.get(out, {}):
+                result.append((i, k, problem.graph.preds[out][node]))
+    return result

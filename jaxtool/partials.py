@@ -1,0 +1,543 @@
+"""Structured local partial Jacobians and their algebra (product, sum, densify).
+
+A partial ``J`` of a graph edge ``u -> v`` is a linear map from tangents of ``u`` (``in_shape``) to
+tangents of ``v`` (``out_shape``). Its dense form has shape ``out_shape + in_shape`` (the layout of
+``jax.jacrev``). Two structured forms keep it small:
+
+:class:`Sparse`
+    ``J[o, i] = val[o, i_unpaired] * prod_k delta(o[k], i[pairs[k]])``: each output axis ``k`` is
+    either *paired* with an input axis of the same size (a Kronecker delta: diagonal along it) or
+    *dense*; input axes that no output axis pairs with are dense too. ``val`` holds one axis per
+    output axis followed by one per unpaired input axis (in input-axis order), each of full size or
+    of size 1 (constant along that axis). Elementwise ops are all-paired (diagonal), broadcasts and
+    reductions are size-1 axes, ``dot_general`` is dense only over the axes it couples, and
+    ``unit`` partials (transpose, ``reduce_sum``, copies) store no values at all.
+
+:class:`Linear`
+    ``J(t) = scale * fn(t)``: a linear function applied lazily, for structural ops (reshape,
+    slice, pad, gather, ...: ``selection`` maps, where every output element is zero or one input
+    element) and for opaque partials (control flow, convolutions, custom rules). ``fn_t`` is its
+    transpose; either may be derived from the other with :func:`jax.linear_transpose`.
+
+Every operation computes the result's *structure* and its multiplication/addition counts from
+shapes alone, and computes values only when its operands carry them. A partial without values
+(:meth:`Partial.abstract`) is a plan: elimination orders are costed on plans, and the same code
+executes them on values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Multiplications and additions of one operation on partials."""
+
+    mults: int = 0
+    adds: int = 0
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.mults + other.mults, self.adds + other.adds)
+
+
+def _size(shape) -> int:
+    return int(math.prod(shape))
+
+
+class Partial:
+    """Base class of structured partials; see the module docstring."""
+
+    out_shape: tuple
+    in_shape: tuple
+    dtype: np.dtype
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.out_shape) + tuple(self.in_shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse
+
+
+@dataclass(frozen=True)
+class Sparse(Partial):
+    out_shape: tuple
+    in_shape: tuple
+    pairs: tuple  # per output axis: the paired input axis, or None
+    val_shape: tuple  # stored value shape; each axis full size or 1
+    dtype: np.dtype
+    val: Optional[jax.Array] = None
+    unit: bool = False  # every stored value is exactly one; ``val`` is not kept
+
+    # -- construction -------------------------------------------------------------------------
+    @staticmethod
+    def diag(d, shape, dtype=None) -> "Sparse":
+        """The elementwise partial ``d * t`` for values of ``shape`` (``d`` broadcastable to it)."""
+        shape = tuple(shape)
+        d = jnp.asarray(d, dtype=dtype)
+        d = d.reshape((1,) * (len(shape) - d.ndim) + d.shape)
+        val_shape = tuple(1 if s == 1 else n for s, n in zip(d.shape, shape))
+        d = d.reshape(val_shape) if d.shape != val_shape else d
+        return Sparse(shape, shape, tuple(range(len(shape))), val_shape, d.dtype, d)
+
+    @staticmethod
+    def identity(shape, dtype) -> "Sparse":
+        shape = tuple(shape)
+        return Sparse(shape, shape, tuple(range(len(shape))), (1,) * len(shape), np.dtype(dtype), None, True)
+
+    @staticmethod
+    def structural(out_shape, in_shape, pairs, dtype) -> "Sparse":
+        """A 0/1 partial with the given pairing and constant value one (transpose, reduce_sum, ...)."""
+        nun = len(in_shape) - sum(p is not None for p in pairs)
+        return Sparse(tuple(out_shape), tuple(in_shape), tuple(pairs), (1,) * (len(out_shape) + nun),
+                      np.dtype(dtype), None, True)
+
+    @staticmethod
+    def dense(val, out_shape, in_shape) -> "Sparse":
+        """A dense partial from an array of shape ``out_shape + in_shape`` (size-1 axes allowed)."""
+        return Sparse(tuple(out_shape), tuple(in_shape), (None,) * len(out_shape), tuple(val.shape),
+                      np.dtype(val.dtype), val)
+
+    def __post_init__(self):
+        assert len(self.pairs) == len(self.out_shape)
+        assert len(self.val_shape) == len(self.out_shape) + len(self.unpaired_in)
+        assert all(s in (1, n) for s, n in zip(self.val_shape, self.full_val_shape)), (self.val_shape, self.full_val_shape)
+        paired = [p for p in self.pairs if p is not None]
+        assert len(set(paired)) == len(paired)
+        assert all(self.out_shape[k] == self.in_shape[p] for k, p in enumerate(self.pairs) if p is not None)
+
+    # -- structure ----------------------------------------------------------------------------
+    @property
+    def unpaired_in(self) -> tuple:
+        paired = set(p for p in self.pairs if p is not None)
+        return tuple(j for j in range(len(self.in_shape)) if j not in paired)
+
+    @property
+    def full_val_shape(self) -> tuple:
+        return tuple(self.out_shape) + tuple(self.in_shape[j] for j in self.unpaired_in)
+
+    @property
+    def abstract(self) -> bool:
+        return self.val is None and not self.unit
+
+    @property
+    def is_permuted_diag(self) -> bool:
+        """Every output axis is paired and every input axis is used: ``J(t) = val * transpose(t)``."""
+        return all(p is not None for p in self.pairs) and len(self.in_shape) == len(self.out_shape)
+
+    @property
+    def stored(self) -> int:
+        """Number of stored values (the memory this partial takes)."""
+        return 0 if self.unit else _size(self.val_shape)
+
+    def plan(self) -> "Sparse":
+        return self if self.unit else replace(self, val=None)
+
+    def values(self):
+        """The stored values (ones for a unit partial)."""
+        if self.unit:
+            return jnp.ones(self.val_shape, self.dtype)
+        return self.val
+
+    # -- dense conversion -----------------------------------------------------------------------
+    def unpair(self, out_axes) -> "Sparse":
+        """Drop the pairing of ``out_axes``: the paired input axes become dense (values grow)."""
+        out_axes = [k for k in out_axes if self.pairs[k] is not None]
+        if not out_axes:
+            return self
+        pairs = list(self.pairs)
+        for k in out_axes:
+            pairs[k] = None
+        old_unpaired = self.unpaired_in
+        new_unpaired = tuple(sorted(set(old_unpaired) | {self.pairs[k] for k in out_axes}))
+        nout = len(self.out_shape)
+        val_shape = list(self.val_shape[:nout]) + [1] * len(new_unpaired)
+        for pos, j in enumerate(old_unpaired):
+            val_shape[nout + new_unpaired.index(j)] = self.val_shape[nout + pos]
+        for k in out_axes:
+            n = self.out_shape[k]
+            val_shape[k] = n
+            val_shape[nout + new_unpaired.index(self.pairs[k])] = n
+        val = None
+        if not self.abstract:
+            v = self.values()
+            # move stored in-axes into their new slots, then multiply by the deltas
+            expanded = v.reshape(v.shape[:nout] + tuple(
+                v.shape[nout + old_unpaired.index(j)] if j in old_unpaired else 1 for j in new_unpaired))
+            for k in out_axes:
+                n = self.out_shape[k]
+                eye_shape = [1] * len(val_shape)
+                eye_shape[k] = n
+                eye_shape[nout + new_unpaired.index(self.pairs[k])] = n
+                expanded = expanded * jnp.eye(n, dtype=self.dtype).reshape(eye_shape)
+            val = jnp.broadcast_to(expanded, tuple(val_shape))
+        return Sparse(self.out_shape, self.in_shape, tuple(pairs), tuple(val_shape), self.dtype, val)
+
+    def to_dense(self):
+        """The dense Jacobian block, shape ``out_shape + in_shape``."""
+        full = self.unpair(range(len(self.out_shape)))
+        return jnp.broadcast_to(full.values(), self.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Linear
+
+
+@dataclass(frozen=True)
+class Linear(Partial):
+    out_shape: tuple
+    in_shape: tuple
+    dtype: np.dtype
+    fn: Optional[Callable] = None  # tangent of in_shape -> tangent of out_shape
+    fn_t: Optional[Callable] = None  # cotangent of out_shape -> cotangent of in_shape
+    scale: Optional[jax.Array] = None  # post-multiplier broadcastable to out_shape
+    has_scale: bool = False
+    selection: bool = False  # each output element is zero or exactly one input element
+    flops: int = 0  # multiplications per application of fn
+    opaque: bool = False  # derivative from JAX's own AD of a whole equation
+
+    @property
+    def abstract(self) -> bool:
+        return self.fn is None and self.fn_t is None
+
+    @property
+    def stored(self) -> int:
+        return _size(self.out_shape) if self.has_scale else 0
+
+    def plan(self) -> "Linear":
+        return replace(self, fn=None, fn_t=None, scale=None)
+
+    def _in_struct(self):
+        return jax.ShapeDtypeStruct(self.in_shape, self.dtype)
+
+    def _out_struct(self):
+        return jax.ShapeDtypeStruct(self.out_shape, self.dtype)
+
+    def forward(self) -> Callable:
+        """``t -> fn(t)`` (without scale), deriving it by transposition when only ``fn_t`` is known."""
+        if self.fn is not None:
+            return self.fn
+        transposed = jax.linear_transpose(self.fn_t, self._out_struct())
+        return lambda t: transposed(t)[0]
+
+    def backward(self) -> Callable:
+        """``c -> fn_t(c)`` (without scale), deriving it by transposition when only ``fn`` is known."""
+        if self.fn_t is not None:
+            return self.fn_t
+        transposed = jax.linear_transpose(self.fn, self._in_struct())
+        return lambda c: transposed(c)[0]
+
+    def apply(self, t):
+        """``J(t)`` for one tangent."""
+        y = self.forward()(t.astype(self.dtype) if t.dtype != self.dtype else t)
+        return y * self.scale if self.has_scale else y
+
+    def apply_t(self, c):
+        """``J^T(c)`` for one cotangent."""
+        if self.has_scale:
+            c = c * self.scale
+        return self.backward()(c.astype(self.dtype) if c.dtype != self.dtype else c)
+
+    def to_dense(self):
+        """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""
+        n_in, n_out = _size(self.in_shape), _size(self.out_shape)
+        use_forward = n_in <= n_out if (self.fn is not None and self.fn_t is not None) else self.fn is not None
+        if use_forward:
+            basis = jnp.eye(n_in, dtype=self.dtype).reshape((n_in,) + self.in_shape)
+            cols = jax.vmap(self.apply)(basis)  # (n_in,) + out_shape
+            return jnp.moveaxis(cols.reshape((n_in, n_out)), 0, 1).reshape(self.shape)
+        basis = jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape)
+        rows = jax.vmap(self.apply_t)(basis)  # (n_out,) + in_shape
+        return rows.reshape(self.shape)
+
+    def dense_cost(self) -> Cost:
+        n_in, n_out = _size(self.in_shape), _size(self.out_shape)
+        apps = min(n_in, n_out)
+        return Cost(apps * (self.flops + (n_out if self.has_scale else 0)), 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Products
+
+
+def _result_dtype(a: Partial, b: Partial):
+    return np.result_type(a.dtype, b.dtype)
+
+
+def matmul(b: Partial, a: Partial) -> tuple[Partial, Cost]:
+    """The partial of ``u -> w`` through ``v``: ``b o a`` for ``a: u -> v`` and ``b: v -> w``."""
+    assert tuple(a.out_shape) == tuple(b.in_shape), (a.out_shape, b.in_shape)
+    if isinstance(a, Sparse) and isinstance(b, Sparse):
+        return _sparse_sparse(b, a)
+    if isinstance(a, Linear) and isinstance(b, Linear):
+        return _linear_linear(b, a)
+    if isinstance(a, Linear):
+        return _sparse_after_linear(b, a)
+    return _linear_after_sparse(b, a)
+
+
+def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
+    nw, nv, nu = len(b.out_shape), len(a.out_shape), len(a.in_shape)
+    # union-find over axes ('w', i), ('v', k), ('u', j): pairings are Kronecker deltas
+    parent: dict = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    def union(x, y):
+        parent[find(x)] = find(y)
+
+    for i, k in enumerate(b.pairs):
+        if k is not None:
+            union(("w", i), ("v", k))
+    for k, j in enumerate(a.pairs):
+        if j is not None:
+            union(("v", k), ("u", j))
+    size = {}
+    for i in range(nw):
+        size[find(("w", i))] = b.out_shape[i]
+    for k in range(nv):
+        size[find(("v", k))] = a.out_shape[k]
+    for j in range(nu):
+        size[find(("u", j))] = a.in_shape[j]
+
+    a_axes = [find(("v", k)) for k in range(nv)] + [find(("u", j)) for j in a.unpaired_in]
+    b_axes = [find(("w", i)) for i in range(nw)] + [find(("v", k)) for k in b.unpaired_in]
+    w_classes = [find(("w", i)) for i in range(nw)]
+    u_class = {j: find(("u", j)) for j in range(nu)}
+    pairs = []
+    for i in range(nw):
+        paired = [j for j in range(nu) if u_class[j] == w_classes[i]]
+        pairs.append(paired[0] if paired else None)
+    c_unpaired = [j for j in range(nu) if j not in pairs]
+    c_axes = w_classes + [u_class[j] for j in c_unpaired]
+
+    a_present = [c for c, s in zip(a_axes, a.val_shape) if s != 1 and not a.unit]
+    b_present = [c for c, s in zip(b_axes, b.val_shape) if s != 1 and not b.unit]
+    present = set(a_present) | set(b_present)
+    contracted = (set(a_axes) | set(b_axes)) - set(c_axes)
+    factor = _size(size[c] for c in contracted if c not in present)
+    val_shape = tuple(size[c] if c in present else 1 for c in c_axes)
+    dtype = _result_dtype(a, b)
+
+    loop = _size(size[c] for c in present)
+    out_size = _size(val_shape)
+    both = not a.unit and not b.unit
+    mults = (loop if both else 0) + (out_size if factor != 1 else 0)
+    adds = loop - out_size if present & contracted else 0
+    cost = Cost(mults, adds)
+
+    unit = a.unit and b.unit and factor == 1
+    if unit:
+        return Sparse(b.out_shape, a.in_shape, tuple(pairs), val_shape, np.dtype(dtype), None, True), cost
+    result = Sparse(b.out_shape, a.in_shape, tuple(pairs), val_shape, np.dtype(dtype))
+    if a.abstract or b.abstract:
+        return result, cost
+
+    letters = {c: chr(ord("a") + n) for n, c in enumerate(dict.fromkeys(a_axes + b_axes + c_axes))}
+    operands, specs = [], []
+    for part, axes, present_axes in ((b, b_axes, b_present), (a, a_axes, a_present)):
+        if part.unit:
+            continue
+        v = part.val
+        keep = [n for n, c in enumerate(axes) if c in present_axes]
+        v = v.reshape(tuple(v.shape[n] for n in keep))
+        operands.append(v)
+        specs.append("".join(letters[axes[n]] for n in keep))
+    out_spec = "".join(letters[c] for c in c_axes if c in present)
+    if operands:
+        val = jnp.einsum(",".join(specs) + "->" + out_spec, *operands, precision=HIGHEST,
+                         preferred_element_type=dtype)
+    else:
+        val = jnp.ones((), dtype)
+    if factor != 1:
+        val = val * jnp.asarray(factor, dtype)
+    return replace(result, val=val.astype(dtype).reshape(val_shape)), cost
+
+
+def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
+    dtype = np.dtype(_result_dtype(a, b))
+    n_out = _size(b.out_shape)
+    flops = a.flops + b.flops
+    push = a.has_scale and b.selection  # b(s * x) = b(s) * b(x) for a selection b
+    embed = a.has_scale and not b.selection
+    cost = Cost((n_out if push and b.has_scale else 0), 0)
+    if embed:
+        flops += _size(a.out_shape)
+    result = Linear(b.out_shape, a.in_shape, dtype, has_scale=b.has_scale or push,
+                    selection=a.selection and b.selection and not embed, flops=flops,
+                    opaque=a.opaque or b.opaque)
+    if a.abstract or b.abstract:
+        return result, cost
+    fa, fb = a.forward(), b.forward()
+    if embed:
+        fn = lambda t: fb(a.scale * fa(t))  # noqa: E731
+    else:
+        fn = lambda t: fb(fa(t))  # noqa: E731
+    scale = b.scale
+    if push:
+        pushed = fb(jnp.broadcast_to(a.scale, a.out_shape).astype(a.dtype))
+        scale = pushed * b.scale if b.has_scale else pushed
+    fn_t = None
+    if a.fn_t is not None and b.fn_t is not None:
+        if embed:
+            fn_t = lambda c: a.fn_t(a.scale * b.fn_t(c))  # noqa: E731
+        else:
+            fn_t = lambda c: a.fn_t(b.fn_t(c))  # noqa: E731
+    return replace(result, fn=fn, fn_t=fn_t, scale=scale), cost
+
+
+def _transposer(pairs):
+    """``t -> transpose(t)`` laying input axes out in the order of the output axes' pairs."""
+    perm = tuple(pairs)
+    if perm == tuple(range(len(perm))):
+        return lambda t: t
+    return lambda t: jnp.transpose(t, perm)
+
+
+def _untransposer(pairs):
+    inverse = tuple(int(i) for i in np.argsort(pairs))
+    if inverse == tuple(range(len(inverse))):
+        return lambda c: c
+    return lambda c: jnp.transpose(c, inverse)
+
+
+def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
+    """``b o a``: a Linear ``a: u -> v`` followed by a Sparse ``b: v -> w``."""
+    dtype = np.dtype(_result_dtype(a, b))
+    if b.is_permuted_diag:
+        # b(x) = val * transpose(x): stays a Linear with a (transposed) scale
+        both = a.has_scale and not b.unit
+        cost = Cost(_size(b.out_shape) if both else 0, 0)
+        result = Linear(b.out_shape, a.in_shape, dtype, has_scale=a.has_scale or not b.unit,
+                        selection=a.selection, flops=a.flops, opaque=a.opaque)
+        if a.abstract or b.abstract:
+            return result, cost
+        tr, untr = _transposer(b.pairs), _untransposer(b.pairs)
+        fa = a.forward()
+        fn = lambda t: tr(fa(t))  # noqa: E731
+        fn_t = None if a.fn_t is None else (lambda c: a.fn_t(untr(c)))
+        scale = tr(jnp.broadcast_to(a.scale, a.out_shape)) if a.has_scale else None
+        if not b.unit:
+            scale = b.val if scale is None else scale * b.val
+        return replace(result, fn=fn, fn_t=fn_t, scale=scale), cost
+    # general: rows of b (dense over v) pulled back through a^T
+    rows = b.unpair(range(len(b.out_shape)))
+    nw = len(b.out_shape)
+    row_shape = rows.val_shape[:nw]
+    n_rows = _size(row_shape)
+    cost = Cost(n_rows * (a.flops + (_size(a.out_shape) if a.has_scale else 0)), 0)
+    val_shape = tuple(row_shape) + tuple(a.in_shape)
+    result = Sparse(b.out_shape, a.in_shape, (None,) * nw, val_shape, dtype)
+    if a.abstract or rows.abstract:
+        return result, cost
+    block = jnp.broadcast_to(rows.values(), tuple(row_shape) + tuple(a.out_shape)).reshape((n_rows,) + a.out_shape)
+    pulled = jax.vmap(a.apply_t)(block.astype(a.dtype))
+    return replace(result, val=pulled.reshape(val_shape).astype(dtype)), cost
+
+
+def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
+    """``b o a``: a Sparse ``a: u -> v`` followed by a Linear ``b: v -> w``."""
+    dtype = np.dtype(_result_dtype(a, b))
+    if a.is_permuted_diag:
+        # a(t) = val * transpose(t)
+        push = not a.unit and b.selection
+        embed = not a.unit and not b.selection
+        cost = Cost(_size(b.out_shape) if push and b.has_scale else 0, 0)
+        flops = b.flops + (_size(a.out_shape) if embed else 0)
+        result = Linear(b.out_shape, a.in_shape, dtype, has_scale=b.has_scale or push,
+                        selection=b.selection and not embed, flops=flops, opaque=b.opaque)
+        if a.abstract or b.abstract:
+            return result, cost
+        tr, untr = _transposer(a.pairs), _untransposer(a.pairs)
+        fb = b.forward()
+        if embed:
+            fn = lambda t: fb(a.val * tr(t))  # noqa: E731
+            fn_t = None if b.fn_t is None else (lambda c: untr(a.val * b.fn_t(c)))
+        else:
+            fn = lambda t: fb(tr(t))  # noqa: E731
+            fn_t = None if b.fn_t is None else (lambda c: untr(b.fn_t(c)))
+        scale = b.scale
+        if push:
+            pushed = fb(jnp.broadcast_to(a.val, a.out_shape).astype(b.dtype))
+            scale = pushed * b.scale if b.has_scale else pushed
+        return replace(result, fn=fn, fn_t=fn_t, scale=scale), cost
+    # general: columns of a (dense over v) pushed through b
+    cols = a.unpair(range(len(a.out_shape)))
+    nv = len(a.out_shape)
+    col_shape = cols.val_shape[nv:]
+    n_cols = _size(col_shape)
+    cost = Cost(n_cols * (b.flops + (_size(b.out_shape) if b.has_scale else 0)), 0)
+    val_shape = tuple(b.out_shape) + tuple(col_shape)
+    result = Sparse(b.out_shape, a.in_shape, (None,) * len(b.out_shape), val_shape, dtype)
+    if b.abstract or cols.abstract:
+        return result, cost
+    block = jnp.broadcast_to(cols.values(), tuple(a.out_shape) + tuple(col_shape))
+    block = jnp.moveaxis(block.reshape(tuple(a.out_shape) + (n_cols,)), -1, 0)
+    pushed = jax.vmap(b.apply)(block.astype(b.dtype))  # (n_cols,) + w
+    val = jnp.moveaxis(pushed, 0, -1).reshape(val_shape)
+    return replace(result, val=val.astype(dtype)), cost
+
+
+# --------------------------------------------------------------------------------------------
+# Sums
+
+
+def add(x: Partial, y: Partial) -> tuple[Partial, Cost]:
+    """The sum of two partials of the same edge, at their cheapest common structure."""
+    assert x.shape == y.shape, (x.shape, y.shape)
+    if isinstance(x, Linear) and isinstance(y, Linear):
+        return _linear_add(x, y)
+    if isinstance(x, Linear):
+        x = linear_to_sparse(x)
+    if isinstance(y, Linear):
+        y = linear_to_sparse(y)
+    return _sparse_add(x, y)
+
+
+def linear_to_sparse(x: Linear) -> Sparse:
+    """Materialise a Linear partial as a dense Sparse."""
+    result = Sparse(x.out_shape, x.in_shape, (None,) * len(x.out_shape), x.shape, x.dtype)
+    if x.abstract:
+        return result
+    return replace(result, val=x.to_dense())
+
+
+def _sparse_add(x: Sparse, y: Sparse) -> tuple[Sparse, Cost]:
+    common = tuple(p if p == q else None for p, q in zip(x.pairs, y.pairs))
+    x = x.unpair([k for k, p in enumerate(common) if p is None])
+    y = y.unpair([k for k, p in enumerate(common) if p is None])
+    val_shape = tuple(max(s, t) for s, t in zip(x.val_shape, y.val_shape))
+    dtype = np.dtype(_result_dtype(x, y))
+    cost = Cost(0, _size(val_shape))
+    result = Sparse(x.out_shape, x.in_shape, common, val_shape, dtype)
+    if x.abstract or y.abstract:
+        return result, cost
+    return replace(result, val=(x.values().astype(dtype) + y.values().astype(dtype))), cost
+
+
+def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
+    n_out = _size(x.out_shape)
+    dtype = np.dtype(_result_dtype(x, y))
+    result = Linear(x.out_shape, x.in_shape, dtype, selection=False,
+                    flops=x.flops + y.flops + (n_out if x.has_scale else 0) + (n_out if y.has_scale else 0),
+                    opaque=x.opaque or y.opaque)
+    if x.abstract or y.abstract:
+        return result, Cost(0, n_out)
+    fn = lambda t: x.apply(t) + y.apply(t)  # noqa: E731
+    fn_t = lambda c: x.apply_t(c) + y.apply_t(c)  # noqa: E731
+    return replace(result, fn=fn, fn_t=fn_t), Cost(0, n_out)

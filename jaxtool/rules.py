@@ -1,0 +1,381 @@
+"""Local partial Jacobians of JAX primitives: one rule per primitive, in one table.
+
+A rule receives the equation, the primal values of its inputs and outputs, and the positions of
+the inputs to differentiate with respect to (real floating-point inputs that depend on the
+differentiated arguments). It returns ``(input position, output position, partial)`` triples of
+:mod:`jaxtool.partials` objects; a missing triple is a zero partial.
+
+Derivative *values* come from JAX's own differentiation rules wherever possible (a JVP with a
+tangent of ones gives the diagonal of an elementwise primitive exactly as ``jax.jacfwd`` sees it,
+ties of ``max``/``min`` included); the rules here add the *structure* that keeps partials small.
+Primitives without a structured rule become one opaque vertex whose partials are the primitive's
+JVP (or, for ``custom_vjp``, its VJP) applied lazily: correct for everything JAX can differentiate,
+and reported as opaque by the counters.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import primitives as P
+
+from jaxtool._compat import split_p
+from jaxtool.errors import UnsupportedError
+from jaxtool.graph import FlatEqn, bind
+from jaxtool.partials import Linear, Sparse
+
+Rule = Callable  # (eqn, invals, outvals, wrt) -> list[(int, int, Partial)]
+RULES: dict = {}
+
+
+def register(*primitives):
+    def wrap(rule):
+        for p in primitives:
+            RULES[p] = rule
+        return rule
+
+    return wrap
+
+
+def is_differentiable(aval) -> bool:
+    """Whether values of this type carry a derivative (real floating point)."""
+    return jnp.issubdtype(aval.dtype, jnp.floating)
+
+
+def partials_of(eqn: FlatEqn, invals, outvals, wrt) -> list:
+    """The structured partials of one equation (see module docstring)."""
+    rule = RULES.get(eqn.primitive, opaque)
+    return rule(eqn, invals, outvals, wrt)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _zero_tangent(x):
+    aval = jax.typeof(x)
+    if is_differentiable(aval):
+        return jnp.zeros(aval.shape, aval.dtype)
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+def _jvp_at(eqn, invals, i, t):
+    """Output tangents of ``eqn`` for tangent ``t`` on input ``i`` (zeros elsewhere)."""
+    tangents = [t if j == i else _zero_tangent(x) for j, x in enumerate(invals)]
+    _, out = jax.jvp(lambda *xs: bind(eqn, *xs), list(invals), tangents)
+    return out if eqn.primitive.multiple_results else (out,)
+
+
+def _shape(x):
+    return tuple(jnp.shape(x))
+
+
+def _float_outputs(outvals):
+    return [k for k, y in enumerate(outvals) if is_differentiable(jax.typeof(y))]
+
+
+# --------------------------------------------------------------------------------------------
+# elementwise: diagonal partials, values from a JVP with a tangent of ones
+
+ELEMENTWISE = [
+    P.add_p, P.sub_p, P.mul_p, P.div_p, P.neg_p, P.max_p, P.min_p, P.abs_p, P.sign_p, P.exp_p,
+    P.exp2_p, P.expm1_p, P.log_p, P.log1p_p, P.sin_p, P.cos_p, P.tan_p, P.asin_p, P.acos_p,
+    P.atan_p, P.atan2_p, P.sinh_p, P.cosh_p, P.tanh_p, P.asinh_p, P.acosh_p, P.atanh_p,
+    P.logistic_p, P.sqrt_p, P.rsqrt_p, P.cbrt_p, P.pow_p, P.integer_pow_p, P.square_p, P.erf_p,
+    P.erfc_p, P.erf_inv_p, P.select_n_p, P.clamp_p, P.rem_p, P.round_p, P.floor_p, P.ceil_p,
+    P.lgamma_p, P.digamma_p, P.igamma_p, P.igammac_p, P.nextafter_p, P.reduce_precision_p,
+    P.add_jaxvals_p, P.bessel_i0e_p, P.bessel_i1e_p, P.polygamma_p, P.zeta_p,
+]
+
+
+@register(*ELEMENTWISE)
+def elementwise(eqn, invals, outvals, wrt):
+    out_shape = _shape(outvals[0])
+    result = []
+    for i in wrt:
+        x = invals[i]
+        d = _jvp_at(eqn, invals, i, jnp.ones(_shape(x), jax.typeof(x).dtype))[0]
+        if _shape(x) == out_shape:
+            result.append((i, 0, Sparse.diag(d, out_shape)))
+        else:  # a rank-0 operand broadcast against the others
+            result.append((i, 0, Sparse.dense(d, out_shape, _shape(x))))
+    return result
+
+
+@register(P.convert_element_type_p, P.copy_p)
+def identity(eqn, invals, outvals, wrt):
+    if not _float_outputs(outvals):
+        return []
+    return [(i, 0, Sparse.identity(_shape(outvals[0]), jax.typeof(outvals[0]).dtype)) for i in wrt]
+
+
+@register(P.stop_gradient_p)
+def no_derivative(eqn, invals, outvals, wrt):
+    return []
+
+
+# --------------------------------------------------------------------------------------------
+# structural ops with a 0/1 pairing: zero multiplications
+
+
+@register(P.transpose_p)
+def transpose(eqn, invals, outvals, wrt):
+    perm = tuple(eqn.params["permutation"])
+    y = outvals[0]
+    return [(0, 0, Sparse.structural(_shape(y), _shape(invals[0]), perm, jax.typeof(y).dtype))] if wrt else []
+
+
+@register(P.broadcast_in_dim_p)
+def broadcast_in_dim(eqn, invals, outvals, wrt):
+    if 0 not in wrt:
+        return []
+    x, y = invals[0], outvals[0]
+    pairs = [None] * len(_shape(y))
+    for j, k in enumerate(eqn.params["broadcast_dimensions"]):
+        if _shape(x)[j] == _shape(y)[k]:
+            pairs[k] = j
+    return [(0, 0, Sparse.structural(_shape(y), _shape(x), pairs, jax.typeof(y).dtype))]
+
+
+@register(P.squeeze_p)
+def squeeze(eqn, invals, outvals, wrt):
+    if not wrt:
+        return []
+    x, y = invals[0], outvals[0]
+    dims = {d % len(_shape(x)) for d in eqn.params["dimensions"]}
+    kept = [j for j in range(len(_shape(x))) if j not in dims]
+    return [(0, 0, Sparse.structural(_shape(y), _shape(x), kept, jax.typeof(y).dtype))]
+
+
+@register(P.reduce_sum_p)
+def reduce_sum(eqn, invals, outvals, wrt):
+    if not wrt:
+        return []
+    x, y = invals[0], outvals[0]
+    axes = set(eqn.params["axes"])
+    kept = [j for j in range(len(_shape(x))) if j not in axes]
+    return [(0, 0, Sparse.structural(_shape(y), _shape(x), kept, jax.typeof(y).dtype))]
+
+
+@register(P.reshape_p)
+def reshape(eqn, invals, outvals, wrt):
+    """Inserting or removing unit axes is a pairing; any other reshape is a selection map."""
+    if 0 not in wrt:
+        return []
+    x, y = invals[0], outvals[0]
+    xs, ys = _shape(x), _shape(y)
+    big_x = [j for j, n in enumerate(xs) if n != 1]
+    big_y = [k for k, n in enumerate(ys) if n != 1]
+    if [xs[j] for j in big_x] == [ys[k] for k in big_y]:
+        pairs = [None] * len(ys)
+        for j, k in zip(big_x, big_y):
+            pairs[k] = j
+        return [(0, 0, Sparse.structural(ys, xs, pairs, jax.typeof(y).dtype))]
+    return selection(eqn, invals, outvals, wrt)
+
+
+# --------------------------------------------------------------------------------------------
+# reductions where each input element feeds at most one output element: values from a VJP
+
+
+@register(P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p)
+def disjoint_reduction(eqn, invals, outvals, wrt):
+    if not wrt:
+        return []
+    x, y = invals[0], outvals[0]
+    axes = sorted(set(eqn.params["axes"]))
+    kept = [j for j in range(len(_shape(x))) if j not in axes]
+    _, pullback = jax.vjp(lambda a: bind(eqn, a), x)
+    (g,) = pullback(jnp.ones(_shape(y), jax.typeof(y).dtype))
+    val = jnp.transpose(g, kept + axes)
+    return [(0, 0, Sparse(_shape(y), _shape(x), tuple(kept), val.shape, np.dtype(val.dtype), val))]
+
+
+@register(P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p, P.cumlogsumexp_p)
+def cumulative(eqn, invals, outvals, wrt):
+    """Diagonal across the other axes, a triangular block along the scanned axis."""
+    if not wrt:
+        return []
+    x, y = invals[0], outvals[0]
+    shape = _shape(x)
+    axis = eqn.params["axis"] % len(shape)
+    n = shape[axis]
+    dtype = jax.typeof(x).dtype
+    if eqn.primitive is P.cumsum_p:
+        i = jnp.arange(n)[:, None]
+        j = jnp.arange(n)[None, :]
+        tri = (j >= i) if eqn.params["reverse"] else (j <= i)
+        val = tri.astype(dtype).reshape(tuple(n if a == axis else 1 for a in range(len(shape))) + (n,))
+    else:
+        def column(e):
+            t = jnp.broadcast_to(e.reshape(tuple(n if a == axis else 1 for a in range(len(shape)))), shape)
+            return _jvp_at(eqn, invals, 0, t.astype(dtype))[0]
+
+        val = jnp.moveaxis(jax.vmap(column)(jnp.eye(n, dtype=dtype)), 0, -1)
+    pairs = tuple(None if a == axis else a for a in range(len(shape)))
+    return [(0, 0, Sparse(shape, shape, pairs, tuple(val.shape), np.dtype(val.dtype), val))]
+
+
+# --------------------------------------------------------------------------------------------
+# dot_general: dense only over the contracted axes and the other operand's free axes
+
+
+@register(P.dot_general_p)
+def dot_general(eqn, invals, outvals, wrt):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = invals
+    y = outvals[0]
+    dtype = jax.typeof(y).dtype
+    result = []
+    for i in wrt:
+        me, other = (lhs, rhs) if i == 0 else (rhs, lhs)
+        my_c, other_c = (lc, rc) if i == 0 else (rc, lc)
+        my_b, other_b = (lb, rb) if i == 0 else (rb, lb)
+        my_free = [a for a in range(jnp.ndim(me)) if a not in my_c and a not in my_b]
+        other_free = [a for a in range(jnp.ndim(other)) if a not in other_c and a not in other_b]
+        # output axes: batch, lhs free, rhs free
+        mine_first = i == 0
+        pairs = list(my_b) + (my_free if mine_first else [None] * len(other_free))
+        pairs += [None] * len(other_free) if mine_first else my_free
+        unpaired = sorted(my_c)
+        # value axes: out axes (batch full, my free size 1, other free full), then my contracted axes in order
+        order = list(other_b) + other_free + [other_c[list(my_c).index(a)] for a in unpaired]
+        v = jnp.transpose(other, order)
+        nb, nf = len(other_b), len(other_free)
+        ones = (1,) * len(my_free)
+        if mine_first:
+            v = v.reshape(v.shape[:nb] + ones + v.shape[nb:])
+        else:
+            v = v.reshape(v.shape[:nb + nf] + ones + v.shape[nb + nf:])
+        v = v.astype(dtype)
+        result.append((i, 0, Sparse(_shape(y), _shape(me), tuple(pairs), tuple(v.shape), np.dtype(dtype), v)))
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# lazily applied linear maps
+
+
+def _linear_from_jvp(eqn, invals, outvals, i, k, *, selection, flops, opaque):
+    y = outvals[k]
+    return Linear(_shape(y), _shape(invals[i]), np.dtype(jax.typeof(y).dtype),
+                  fn=lambda t: _jvp_at(eqn, invals, i, t)[k], selection=selection, flops=flops, opaque=opaque)
+
+
+SELECTION = [P.slice_p, P.pad_p, P.concatenate_p, P.rev_p, P.gather_p, P.dynamic_slice_p,
+             P.dynamic_update_slice_p, split_p, P.reduce_window_max_p, P.reduce_window_min_p]
+
+
+@register(*SELECTION)
+def selection(eqn, invals, outvals, wrt):
+    """Every output element is zero or one input element: zero multiplications."""
+    return [(i, k, _linear_from_jvp(eqn, invals, outvals, i, k, selection=True, flops=0, opaque=False))
+            for i in wrt for k in _float_outputs(outvals)]
+
+
+@register(P.sort_p)
+def sort(eqn, invals, outvals, wrt):
+    """Each operand is permuted by the keys' sorting permutation; keys carry no derivative of it."""
+    return [(i, i, _linear_from_jvp(eqn, invals, outvals, i, i, selection=True, flops=0, opaque=False))
+            for i in wrt if is_differentiable(jax.typeof(outvals[i]))]
+
+
+@register(P.scatter_add_p, P.reduce_window_sum_p)
+def summing(eqn, invals, outvals, wrt):
+    """Linear maps that add input elements together: zero multiplications, not a selection."""
+    return [(i, k, _linear_from_jvp(eqn, invals, outvals, i, k, selection=False, flops=0, opaque=False))
+            for i in wrt for k in _float_outputs(outvals)]
+
+
+@register(P.conv_general_dilated_p)
+def conv(eqn, invals, outvals, wrt):
+    """Linear in each operand; one application costs a convolution's multiplications."""
+    lhs, rhs = invals
+    y = outvals[0]
+    spec = eqn.params["dimension_numbers"]
+    rhs_spec = spec.rhs_spec if spec is not None else tuple(range(jnp.ndim(rhs)))
+    # the kernel's input-feature axis is already per feature group
+    per_output = int(np.prod([_shape(rhs)[d] for d in rhs_spec[1:]]))
+    flops = int(np.prod(_shape(y))) * per_output
+    return [(i, 0, _linear_from_jvp(eqn, invals, outvals, i, 0, selection=False, flops=flops, opaque=False))
+            for i in wrt]
+
+
+# --------------------------------------------------------------------------------------------
+# custom derivative rules
+
+
+@register(P.custom_jvp_call_p)
+def custom_jvp(eqn, invals, outvals, wrt):
+    """The user's JVP rule, traced and eliminated as a linear sub-program: its structure survives."""
+    from jaxtool.elimination import linear_partials
+
+    def jvp(primals, tangents):
+        return jax.jvp(lambda *xs: bind(eqn, *xs), list(primals), list(tangents))[1]
+
+    try:
+        tangents = [jnp.zeros(_shape(invals[i]), jax.typeof(invals[i]).dtype) for i in wrt]
+
+        def tangent_fn(primals, ts):
+            full = [_zero_tangent(x) for x in primals]
+            for i, t in zip(wrt, ts):
+                full[i] = t
+            return jvp(primals, full)
+
+        return linear_partials(tangent_fn, list(invals), tangents, wrt, _float_outputs(outvals))
+    except UnsupportedError:
+        return opaque(eqn, invals, outvals, wrt)
+
+
+@register(P.custom_vjp_call_p)
+def custom_vjp(eqn, invals, outvals, wrt):
+    """The user's VJP rule, applied lazily as the transposed partial."""
+    result = []
+    for i in wrt:
+        def f(xi, i=i):
+            return bind(eqn, *[xi if j == i else x for j, x in enumerate(invals)])
+
+        _, pullback = jax.vjp(f, invals[i])
+        outs = _float_outputs(outvals)
+        for k in outs:
+            y = outvals[k]
+
+            def fn_t(c, k=k, pullback=pullback):
+                cts = [jnp.zeros(_shape(outvals[m]), jax.typeof(outvals[m]).dtype) if m != k else c
+                       for m in range(len(outvals))]
+                return pullback(cts if eqn.primitive.multiple_results else cts[0])[0]
+
+            result.append((i, k, Linear(_shape(y), _shape(invals[i]), np.dtype(jax.typeof(y).dtype),
+                                        fn_t=fn_t, opaque=True)))
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# everything else: one opaque vertex, JAX's own AD of the whole equation
+
+
+def opaque(eqn, invals, outvals, wrt):
+    """JVP of the whole equation (control flow, linear algebra, ...), or its VJP if only that exists."""
+    outs = _float_outputs(outvals)
+    if not wrt or not outs:
+        return []
+    from jaxtool.source import location
+
+    probe = [jnp.zeros(_shape(invals[i]), jax.typeof(invals[i]).dtype) for i in wrt]
+    try:
+        jax.eval_shape(lambda t: _jvp_at(eqn, invals, wrt[0], t), probe[0])
+    except Exception as jvp_error:  # JAX has no forward rule: try reverse mode
+        try:
+            jax.eval_shape(lambda: jax.vjp(lambda *xs: bind(eqn, *xs), *invals))
+            return custom_vjp(eqn, invals, outvals, wrt)
+        except Exception:
+            raise UnsupportedError(
+                f"cannot differentiate primitive '{eqn.name}': {str(jvp_error).splitlines()[0]}",
+                primitive=eqn.name, location=location(eqn.source_info)) from jvp_error
+    n_out = sum(int(np.prod(_shape(outvals[k]))) for k in outs)
+    return [(i, k, _linear_from_jvp(eqn, invals, outvals, i, k, selection=False, flops=n_out, opaque=True))
+            for i in wrt for k in outs]
