@@ -79,3 +79,24 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
         return jacobian(*args, **kwargs)
 
     return jacobian_staged
+
+
+def trace_problem(fun, *args, argnums=0):
+    """The elimination problem of ``fun`` at ``args`` (graph of partials, outputs, eliminable vertices).
+
+    Useful to list ``problem.eliminable`` (for custom orders) or to cost orders with
+    :func:`jaxtool.elimination.run` on ``problem.plan()``.
+    """
+    positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    dyn = tuple(args[p] for p in positions)
+    dyn_leaves, dyn_tree = jax.tree_util.tree_flatten(dyn)
+    dyn_leaves = [jnp.asarray(x) for x in dyn_leaves]
+
+    def flat_fun(*leaves):
+        full = list(args)
+        for p, value in zip(positions, jax.tree_util.tree_unflatten(dyn_tree, leaves)):
+            full[p] = value
+        return jax.tree_util.tree_leaves(fun(*full))
+
+    program = flatten(jax.make_jaxpr(flat_fun)(*dyn_leaves))
+    return build(program, dyn_leaves, range(len(dyn_leaves)))

@@ -101,8 +101,13 @@ def elementwise(eqn, invals, outvals, wrt):
         d = _jvp_at(eqn, invals, i, jnp.ones(_shape(x), jax.typeof(x).dtype))[0]
         if _shape(x) == out_shape:
             result.append((i, 0, Sparse.diag(d, out_shape)))
-        else:  # a rank-0 operand broadcast against the others
-            result.append((i, 0, Sparse.dense(d, out_shape, _shape(x))))
+            continue
+        # an operand broadcast against the others (rank 0, or size-1 axes): pair the full axes
+        xs = _shape(x)
+        pairs = tuple(k if xs and xs[k] == n else None for k, n in enumerate(out_shape))
+        unpaired = [j for j in range(len(xs)) if j not in pairs]
+        val = d.reshape(out_shape + (1,) * len(unpaired))
+        result.append((i, 0, Sparse(out_shape, xs, pairs, val.shape, np.dtype(val.dtype), val)))
     return result
 
 
