@@ -359,14 +359,36 @@ def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
         operands.append(v)
         specs.append("".join(letters[axes[n]] for n in keep))
     out_spec = "".join(letters[c] for c in c_axes if c in present)
-    if operands:
-        val = jnp.einsum(",".join(specs) + "->" + out_spec, *operands, precision=HIGHEST,
-                         preferred_element_type=dtype)
-    else:
-        val = jnp.ones((), dtype)
+    val = _contract(operands, specs, out_spec, loop, dtype)
     if factor != 1:
         val = val * jnp.asarray(factor, dtype)
     return replace(result, val=val.astype(dtype).reshape(val_shape)), cost
+
+
+#: Products with at most this many scalar multiplications are written as broadcast-multiply-sum, which
+#: XLA fuses with its neighbours; larger contractions go to ``dot_general``.
+SMALL_CONTRACTION = 4096
+
+
+def _contract(operands, specs, out_spec, loop, dtype):
+    """``einsum(specs -> out_spec)`` of zero, one or two operands, fusible when small."""
+    if not operands:
+        return jnp.ones((), dtype)
+    if len(operands) == 1 or loop > SMALL_CONTRACTION:
+        return jnp.einsum(",".join(specs) + "->" + out_spec, *operands, precision=HIGHEST,
+                          preferred_element_type=dtype)
+    summed = "".join(dict.fromkeys(l for spec in specs for l in spec if l not in out_spec))
+    order = out_spec + summed
+    product = None
+    for v, spec in zip(operands, specs):
+        perm = sorted(range(len(spec)), key=lambda n: order.index(spec[n]))
+        v = jnp.transpose(v, perm) if perm != list(range(len(spec))) else v
+        sizes = dict(zip((spec[n] for n in perm), v.shape))
+        v = v.reshape(tuple(sizes.get(l, 1) for l in order)).astype(dtype)
+        product = v if product is None else product * v
+    if summed:
+        product = product.sum(axis=tuple(range(len(out_spec), len(order))))
+    return product
 
 
 def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
