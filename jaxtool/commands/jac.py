@@ -1,0 +1,263 @@
+"""``jaxtool jac``: the Jacobian of a function by vertex elimination, optionally checked against JAX's AD.
+
+The function is traced once (:func:`jaxtool.tracing.trace`); its inlined program is numbered as
+``jaxtool show --vertices`` numbers it, so custom ``--order`` lists use those numbers. The
+differentiated inputs are the flat leaves of the ``--argnums`` arguments, in ``--argnums`` order;
+the other arguments stay fixed. Building the graph of partials, eliminating and reading out the
+blocks run inside one ``jax.jit`` (the cost is recorded while tracing).
+
+No JAX import at module level (``jaxtool jac --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from jaxtool.errors import CheckFailed, UnsupportedError, UsageError
+
+#: Default (rtol, atol) of ``--check`` by the itemsize of the Jacobian's floating-point dtype.
+DEFAULT_TOLERANCES = {8: (1e-10, 1e-10), 4: (1e-4, 1e-5), 2: (1e-2, 1e-2)}
+
+
+@click.command(name="jac")
+@click.argument("target")
+@click.argument("specs", nargs=-1)
+@click.option("--order", "order_text", default="rev", show_default=True, metavar="ORDER",
+              help="fwd, rev, markowitz, or comma-separated vertex numbers (a permutation of the eliminable "
+                   "vertices, numbered as `jaxtool show --vertices` prints them).")
+@click.option("--argnums", default="0", show_default=True, metavar="I,J,...",
+              help="The positional arguments to differentiate; their flat leaves are the Jacobian's inputs. "
+                   "'all': every floating-point leaf of every argument.")
+@click.option("--static", "static", multiple=True, metavar="NAME=VALUE",
+              help="A static (non-array) argument, as a Python literal; repeatable.")
+@click.option("--inputs", "inputs", metavar="FILE.npz", help="Take the arguments from an .npz file (arg0, arg1, ...).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for values drawn from specs.")
+@click.option("--check", is_flag=True,
+              help="Recompute with jax.jacrev and jax.jacfwd; exit 1 if either differs beyond the tolerances.")
+@click.option("--rtol", type=click.FloatRange(min=0), default=None, metavar="TOL",
+              help="Relative tolerance of --check [default: 1e-4 for float32, 1e-10 for float64].")
+@click.option("--atol", type=click.FloatRange(min=0), default=None, metavar="TOL",
+              help="Absolute tolerance of --check [default: 1e-5 for float32, 1e-10 for float64].")
+@click.option("--save", metavar="FILE.npz",
+              help="Save the blocks as arrays jac_I_J (output leaf I, differentiated leaf J), shaped as jax.jacrev's.")
+@click.option("--spy", is_flag=True, help="Draw the sparsity pattern of every block.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="Text (table, small blocks in full) or JSON.")
+@click.pass_obj
+def command(settings, target, specs, order_text, argnums, static, inputs, seed, check, rtol, atol, save, spy, fmt):
+    """Compute the Jacobian of TARGET at SPECS by vertex elimination.
+
+    TARGET is `path/to/file.py:qualname` or `package.module:qualname`; SPECS give the arguments'
+    shapes and dtypes (`f32[8,3]`, or JSON pytrees of them) where annotations or an
+    `FN_example_args()` companion do not; values are then drawn from N(0,1) (--seed), or taken
+    from --inputs. Prints one block per (output leaf, differentiated input leaf), then the
+    elimination order and its cost in multiplications and additions.
+
+    \b
+    Examples:
+      jaxtool jac sample_programs/roe_flux_1d.py:roe_flux_1d --order markowitz --check
+      jaxtool jac model.py:loss '{"w": "f32[3,4]"}' f32[8,3] --argnums 0 --spy
+      jaxtool jac model.py:f f32[5] --order 3,1,2 --save jac.npz --format json
+    """
+    from jaxtool.orders import parse_order
+
+    positions = _parse_argnums(argnums)
+    order = parse_order(order_text)
+    settings.activate()
+
+    from jaxtool.loading import load_target
+    from jaxtool.report import JacobianReport, render_text, to_json
+    from jaxtool.tracing import trace
+
+    loaded = load_target(target, specs, inputs=inputs, seed=seed, static=static)
+    if loaded.drawn:
+        settings.note(f"note: inputs drawn from N(0,1) with seed {seed}")
+    traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
+    leaves, wrt = _differentiated_leaves(loaded, traced, positions)
+
+    (vertices, cost), jac = _eliminate(traced.closed_jaxpr, leaves, wrt, order)
+    blocks = _blocks(traced, wrt, jac)
+    report = JacobianReport(order_name=order if isinstance(order, str) else "custom", order=tuple(vertices),
+                            mults=cost.mults, adds=cost.adds, blocks=blocks,
+                            check=_check(traced, leaves, wrt, blocks, rtol, atol) if check else None)
+    if save:
+        _save(save, blocks, len(wrt))
+        settings.note(f"note: saved {len(blocks)} array{'s' * (len(blocks) != 1)} jac_I_J to {save}")
+
+    if fmt == "json":
+        click.echo(json.dumps(to_json(report), indent=2))
+    else:
+        settings.console().print(render_text(report, spy=spy))
+    if report.check is not None and not report.check.passed:
+        failed = [c.reference for c in report.check.comparisons if c.unavailable is None and not c.passed]
+        raise CheckFailed(f"--check: the Jacobian differs from {' and '.join(failed)} beyond rtol "
+                          f"{report.check.rtol:g}, atol {report.check.atol:g}")
+
+
+def _parse_argnums(text: str) -> list | None:
+    """``"0,1"`` -> ``[0, 1]``, ``"all"`` -> ``None``; a :class:`UsageError` for anything else or a repeat."""
+    if text.strip() == "all":
+        return None
+    try:
+        positions = [int(part) for part in text.replace(" ", "").split(",")]
+    except ValueError:
+        raise UsageError(f"--argnums {text!r}: expected comma-separated argument positions such as 0,1") from None
+    repeated = sorted({p for p in positions if positions.count(p) > 1})
+    if repeated:
+        raise UsageError(f"--argnums {text}: position {','.join(map(str, repeated))} given more than once")
+    return positions
+
+
+def _differentiated_leaves(loaded, traced, positions):
+    """(all flat argument leaves as arrays, indices of the differentiated leaves in ``positions`` order).
+
+    ``positions=None`` selects every floating-point leaf.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxtool.rules import is_differentiable
+    from jaxtool.specs import format_spec
+
+    if positions is None:
+        wrt = [k for k, aval in enumerate(traced.in_avals) if is_differentiable(aval)]
+    else:
+        count = len(loaded.args)
+        starts = [0]
+        for arg in loaded.args:
+            starts.append(starts[-1] + len(jax.tree_util.tree_leaves(arg)))
+        wrt = []
+        for p in positions:
+            if not -count <= p < count:
+                names = ", ".join(loaded.arg_names) or "none"
+                raise UsageError(f"--argnums {p}: {loaded.name} takes {count} array argument{'s' * (count != 1)} "
+                                 f"({names})")
+            wrt.extend(range(starts[p % count], starts[p % count + 1]))
+        for k in wrt:
+            aval = traced.in_avals[k]
+            if not is_differentiable(aval):
+                raise UsageError(f"cannot differentiate with respect to {traced.in_names[k]} ({format_spec(aval)}): "
+                                 "only real floating-point inputs have derivatives; leave it out of --argnums")
+    if not wrt:
+        raise UsageError("--argnums selects no floating-point leaves: nothing to differentiate")
+    leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(loaded.args)]
+    return leaves, wrt
+
+
+def _eliminate(closed_jaxpr, leaves, wrt, order):
+    """((vertices eliminated, Cost), Jacobian blocks ``[output][differentiated leaf]`` in ``wrt`` order)."""
+    import jax
+
+    from jaxtool.elimination import blocks, build, run
+    from jaxtool.graph import flatten
+    from jaxtool.orders import resolve_order
+
+    program = flatten(closed_jaxpr)
+    recorded = {}
+
+    def eliminate(args):
+        problem = build(program, args, wrt)
+        vertices = resolve_order(order, problem)
+        recorded["result"] = (vertices, run(problem, vertices))
+        return blocks(problem)
+
+    jac = jax.jit(eliminate)(leaves)
+    columns = sorted(wrt)  # blocks() orders the differentiated inputs by flat index
+    jac = [[row[columns.index(k)] for k in wrt] for row in jac]
+    return recorded["result"], jac
+
+
+def _blocks(traced, wrt, jac) -> tuple:
+    """The :class:`~jaxtool.report.Block` of every (output leaf, differentiated leaf), output-major."""
+    import numpy as np
+
+    from jaxtool.report import Block
+
+    return tuple(Block(output=traced.out_names[i], input=traced.in_names[k],
+                       out_shape=tuple(traced.out_avals[i].shape), in_shape=tuple(traced.in_avals[k].shape),
+                       values=np.asarray(jac[i][j]))
+                 for i in range(len(jac)) for j, k in enumerate(wrt))
+
+
+def _check(traced, leaves, wrt, blocks, rtol, atol):
+    """Compare ``blocks`` with ``jax.jacrev`` and ``jax.jacfwd`` of the traced program (see :class:`Check`)."""
+    import jax
+    import jax.extend.core as jcore
+    import numpy as np
+
+    from jaxtool.report import Check, Comparison
+    from jaxtool.rules import is_differentiable
+    from jaxtool.source import exception_message
+
+    outs = [i for i, aval in enumerate(traced.out_avals) if is_differentiable(aval)]
+    if not outs:
+        raise UsageError("--check: no output has a derivative (all outputs are integer or boolean)")
+    skipped = tuple(traced.out_names[i] for i in range(len(traced.out_avals)) if i not in outs)
+    n = len(wrt)
+    itemsize = min(traced.out_avals[i].dtype.itemsize for i in outs)
+    default_rtol, default_atol = DEFAULT_TOLERANCES.get(itemsize, DEFAULT_TOLERANCES[4])
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+
+    program = jcore.jaxpr_as_fun(traced.closed_jaxpr)
+
+    def fun(*xs):
+        full = list(leaves)
+        for k, x in zip(wrt, xs):
+            full[k] = x
+        results = program(*full)
+        return [results[i] for i in outs]
+
+    comparisons = []
+    for name, transform in (("jax.jacrev", jax.jacrev), ("jax.jacfwd", jax.jacfwd)):
+        try:
+            reference = jax.jit(transform(fun, argnums=tuple(range(n))))(*[leaves[k] for k in wrt])
+        except Exception as exc:  # e.g. jax.jacfwd of a custom_vjp function
+            comparisons.append(Comparison(name, unavailable=exception_message(exc)))
+            continue
+        errors = [_errors(b.values, np.asarray(reference[r][j]), rtol, atol)
+                  for r, i in enumerate(outs) for j, b in enumerate(blocks[i * n:(i + 1) * n])]
+        comparisons.append(Comparison(name, max_abs_error=max(e[0] for e in errors),
+                                      max_rel_error=max(e[1] for e in errors), passed=all(e[2] for e in errors)))
+    check = Check(rtol=rtol, atol=atol, comparisons=tuple(comparisons), skipped_outputs=skipped)
+    if not any(c.unavailable is None for c in comparisons):
+        reasons = "; ".join(f"{c.reference}: {c.unavailable}" for c in comparisons)
+        raise UnsupportedError(f"--check: neither reference can differentiate this program ({reasons})")
+    return check
+
+
+def _errors(ours, reference, rtol: float, atol: float):
+    """(largest absolute error, largest relative error where ``|reference| > atol``, whether all entries pass)."""
+    import numpy as np
+
+    a = np.asarray(ours, np.float64)
+    b = np.asarray(reference, np.float64)
+    if a.size == 0:
+        return 0.0, 0.0, True
+    with np.errstate(invalid="ignore", divide="ignore"):
+        same = (a == b) | (np.isnan(a) & np.isnan(b))
+        diff = np.where(same, 0.0, np.abs(a - b))
+        diff = np.where(np.isnan(diff), np.inf, diff)
+        ok = same | (np.isfinite(b) & (diff <= atol + rtol * np.abs(b)))
+        large = np.isfinite(b) & (np.abs(b) > atol)
+        rel = float(np.max(diff[large] / np.abs(b[large]))) if large.any() else 0.0
+    return float(np.max(diff)), rel, bool(ok.all())
+
+
+def _save(path: str, blocks, n_wrt: int) -> None:
+    """Write ``jac_I_J`` arrays to the ``.npz`` file ``path`` (exactly that name)."""
+    import numpy as np
+
+    arrays = {}
+    for index, block in enumerate(blocks):
+        values = block.values
+        if values.dtype.kind == "V":  # bfloat16 and other ml_dtypes: numpy cannot read them back
+            values = values.astype(np.float32)
+        arrays[f"jac_{index // n_wrt}_{index % n_wrt}"] = values
+    try:
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+    except OSError as exc:
+        raise UsageError(f"--save {path}: cannot write it ({exc.strerror or exc})") from None
