@@ -13,7 +13,7 @@ an order, or choosing one greedily, needs shapes and structures only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -55,6 +55,10 @@ class EdgeGraph:
         self.preds.setdefault(v, {})[u] = partial
         self.succs.setdefault(u, {})[v] = partial
         return cost
+
+    def copy(self) -> "EdgeGraph":
+        """An independent copy (partials are immutable and shared)."""
+        return EdgeGraph({v: dict(p) for v, p in self.preds.items()}, {u: dict(s) for u, s in self.succs.items()})
 
     def plan(self) -> "EdgeGraph":
         """The same graph with every partial reduced to its plan (structure, no values)."""
@@ -108,7 +112,12 @@ class Problem:
     out_values: tuple = ()  # the program's primal outputs
 
     def plan(self) -> "Problem":
-        return Problem(self.program, self.graph.plan(), self.wrt, self.outputs, self.eliminable, self.out_avals)
+        """A copy whose partials carry structure only: for costing orders."""
+        return replace(self, graph=self.graph.plan())
+
+    def copy(self) -> "Problem":
+        """A copy that can be eliminated without changing this one."""
+        return replace(self, graph=self.graph.copy())
 
 
 def build(program: FlatProgram, args, wrt) -> Problem:

@@ -7,9 +7,39 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxtool.elimination import blocks, build, run
+from jaxtool.elimination import Problem, blocks, build, run
 from jaxtool.graph import flatten
 from jaxtool.orders import parse_order, resolve_order
+
+
+def _positions(argnums) -> tuple:
+    return (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+
+def _trace(fun, args, kwargs, positions, has_aux):
+    """Trace ``fun`` as a function of the flat leaves of ``args[positions]``.
+
+    Returns the flat program, the differentiated leaves, their tree, and the output and aux trees.
+    """
+    for p in positions:
+        if not -len(args) <= p < len(args):
+            raise ValueError(f"argnums {p} out of range for {len(args)} positional arguments")
+    leaves, dyn_tree = jax.tree_util.tree_flatten(tuple(args[p] for p in positions))
+    leaves = [jnp.asarray(x) for x in leaves]
+    trees = {}
+
+    def flat_fun(*flat):
+        full = list(args)
+        for p, value in zip(positions, jax.tree_util.tree_unflatten(dyn_tree, flat)):
+            full[p] = value
+        result = fun(*full, **kwargs)
+        out, aux = result if has_aux else (result, None)
+        out_leaves, trees["out"] = jax.tree_util.tree_flatten(out)
+        aux_leaves, trees["aux"] = jax.tree_util.tree_flatten(aux)
+        return list(out_leaves) + list(aux_leaves)
+
+    program = flatten(jax.make_jaxpr(flat_fun)(*leaves))
+    return program, leaves, dyn_tree, trees["out"], trees["aux"]
 
 
 def jacve(fun, order="rev", argnums=0, has_aux=False):
@@ -29,43 +59,20 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     """
     if isinstance(order, str):
         parse_order(order)  # fail early on a malformed name
-    int_argnums = isinstance(argnums, int)
-    positions = (argnums,) if int_argnums else tuple(argnums)
+    positions = _positions(argnums)
 
     def jacobian(*args, **kwargs):
-        for p in positions:
-            if not -len(args) <= p < len(args):
-                raise ValueError(f"argnums {argnums} out of range for {len(args)} positional arguments")
-        dyn = tuple(args[p] for p in positions)
-        dyn_leaves, dyn_tree = jax.tree_util.tree_flatten(dyn)
-        dyn_leaves = [jnp.asarray(x) for x in dyn_leaves]
-        out_tree_box = {}
-
-        def flat_fun(*leaves):
-            full = list(args)
-            for p, value in zip(positions, jax.tree_util.tree_unflatten(dyn_tree, leaves)):
-                full[p] = value
-            result = fun(*full, **kwargs)
-            out, aux = result if has_aux else (result, None)
-            out_leaves, out_tree_box["out"] = jax.tree_util.tree_flatten(out)
-            aux_leaves, out_tree_box["aux"] = jax.tree_util.tree_flatten(aux)
-            return list(out_leaves) + list(aux_leaves)
-
-        closed = jax.make_jaxpr(flat_fun)(*dyn_leaves)
-        out_tree, aux_tree = out_tree_box["out"], out_tree_box["aux"]
-        n_out = out_tree.num_leaves
-        program = flatten(closed)
-        problem = build(program, dyn_leaves, range(len(dyn_leaves)))
+        program, leaves, dyn_tree, out_tree, aux_tree = _trace(fun, args, kwargs, positions, has_aux)
+        problem = build(program, leaves, range(len(leaves)))
         run(problem, resolve_order(order, problem))
-        jac = blocks(problem)[:n_out]
+        n_out = out_tree.num_leaves
         # jax.jacrev's layout: outer structure of the output, inner structure of the inputs
-        inner = [jax.tree_util.tree_unflatten(dyn_tree, row) for row in jac]
-        if int_argnums:
+        inner = [jax.tree_util.tree_unflatten(dyn_tree, row) for row in blocks(problem)[:n_out]]
+        if isinstance(argnums, int):
             inner = [i[0] for i in inner]
         result = jax.tree_util.tree_unflatten(out_tree, inner)
         if has_aux:
-            aux = jax.tree_util.tree_unflatten(aux_tree, list(problem.out_values[n_out:]))
-            return result, aux
+            return result, jax.tree_util.tree_unflatten(aux_tree, list(problem.out_values[n_out:]))
         return result
 
     staged = jax.jit(jacobian)
@@ -73,30 +80,18 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     @functools.wraps(fun)
     def jacobian_staged(*args, **kwargs):
         leaves = jax.tree_util.tree_leaves((args, kwargs))
-        if all(isinstance(x, (jax.Array, float, int, complex, bool)) or hasattr(x, "__jax_array__")
-               or hasattr(x, "dtype") for x in leaves):
+        if all(hasattr(x, "dtype") or isinstance(x, (int, float, bool)) for x in leaves):
             return staged(*args, **kwargs)
-        return jacobian(*args, **kwargs)
+        return jacobian(*args, **kwargs)  # non-array arguments cannot be staged
 
     return jacobian_staged
 
 
-def trace_problem(fun, *args, argnums=0):
-    """The elimination problem of ``fun`` at ``args`` (graph of partials, outputs, eliminable vertices).
+def trace_problem(fun, *args, argnums=0) -> Problem:
+    """The elimination problem of ``fun`` at ``args``: its graph of partials and eliminable vertices.
 
-    Useful to list ``problem.eliminable`` (for custom orders) or to cost orders with
-    :func:`jaxtool.elimination.run` on ``problem.plan()``.
+    ``problem.eliminable`` lists the vertices a custom order must permute;
+    ``jaxtool.elimination.run(problem.plan(), order)`` costs an order without computing values.
     """
-    positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    dyn = tuple(args[p] for p in positions)
-    dyn_leaves, dyn_tree = jax.tree_util.tree_flatten(dyn)
-    dyn_leaves = [jnp.asarray(x) for x in dyn_leaves]
-
-    def flat_fun(*leaves):
-        full = list(args)
-        for p, value in zip(positions, jax.tree_util.tree_unflatten(dyn_tree, leaves)):
-            full[p] = value
-        return jax.tree_util.tree_leaves(fun(*full))
-
-    program = flatten(jax.make_jaxpr(flat_fun)(*dyn_leaves))
-    return build(program, dyn_leaves, range(len(dyn_leaves)))
+    program, leaves, *_ = _trace(fun, args, {}, _positions(argnums), False)
+    return build(program, leaves, range(len(leaves)))

@@ -1,0 +1,314 @@
+"""The vertex-elimination engine against jax.jacrev / jax.jacfwd on real programs."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import random
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import jaxtool
+from jaxtool.elimination import blocks, run
+from jaxtool.errors import OrderError, UnsupportedError
+from jaxtool.jacobian import trace_problem
+from jaxtool.orders import resolve_order
+from jaxtool.partials import Linear, Sparse
+
+SAMPLES = pathlib.Path(__file__).resolve().parent.parent / "sample_programs"
+SAMPLE_NAMES = sorted(p.stem for p in SAMPLES.glob("*.py"))
+FUNCTION_NAMES = {"mlp": "mlp_loss", "branches": "piecewise", "scan_rnn": "rnn", "pytree_params": "loss"}
+
+
+def load_sample(stem):
+    spec = importlib.util.spec_from_file_location(f"sample_{stem}", SAMPLES / f"{stem}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    name = FUNCTION_NAMES.get(stem, stem)
+    return getattr(module, name), tuple(getattr(module, f"{name}_example_args")())
+
+
+def float_argnums(args):
+    return tuple(i for i, a in enumerate(args)
+                 if all(jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) for x in jax.tree_util.tree_leaves(a)))
+
+
+def assert_same_jacobian(got, want, rtol, atol):
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
+
+
+def random_orders(problem, count, seed):
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(count):
+        order = list(problem.eliminable)
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
+def assert_orders_match(fun, args, argnums, want, orders, rtol, atol):
+    """Eliminate one traced problem in each order (eagerly: no compile per order) and compare with ``want``."""
+    problem = trace_problem(fun, *args, argnums=argnums)
+    want_leaves = jax.tree_util.tree_leaves(want)
+    for order in orders(problem):
+        copy = problem.copy()
+        run(copy, resolve_order(order, copy))
+        got = [block for row in blocks(copy) for block in row]
+        assert len(got) == len(want_leaves)
+        for g, w in zip(got, want_leaves):
+            assert g.shape == w.shape and g.dtype == w.dtype, (order, g.shape, w.shape, g.dtype, w.dtype)
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol, err_msg=str(order))
+
+
+@pytest.mark.parametrize("stem", SAMPLE_NAMES)
+def test_sample_programs_all_orders_match_jacrev(stem):
+    fun, args = load_sample(stem)
+    argnums = float_argnums(args)
+    want = jax.jacrev(fun, argnums=argnums)(*args)
+    assert_orders_match(fun, args, argnums, want,
+                        lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 5, seed=len(stem)),
+                        rtol=1e-4, atol=1e-5)
+    # and once through the staged public API
+    assert_same_jacobian(jaxtool.jacve(fun, order="markowitz", argnums=argnums)(*args), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("stem", ["roe_flux_1d", "robot_arm_6dof", "perceptron", "branches", "scan_rnn"])
+def test_sample_programs_x64(stem):
+    with jax.enable_x64(True):
+        fun, args = load_sample(stem)
+        args = jax.tree_util.tree_map(
+            lambda x: jnp.asarray(x, jnp.float64) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) else x, args)
+        argnums = float_argnums(args)
+        want = jax.jacrev(fun, argnums=argnums)(*args)
+        assert_orders_match(fun, args, argnums, want,
+                            lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 2, seed=1),
+                            rtol=1e-10, atol=1e-10)
+
+
+# --- the classes of programs where graphax is silently wrong or crashes (shared/reference/anchors.md)
+
+X = jnp.linspace(0.1, 1.2, 6)
+M = jnp.linspace(-1.0, 1.3, 12).reshape(3, 4)
+NUMPY_CONSTANT = np.arange(6.0, dtype=np.float32) - 2.0
+
+
+def _custom_vjp_sin(x):
+    @jax.custom_vjp
+    def g(x):
+        return jnp.sin(x)
+
+    g.defvjp(lambda x: (jnp.sin(x), x), lambda r, c: (c * jnp.cos(r),))
+    return g(x) * x
+
+
+ANCHOR_CASES = {
+    "x*x": (lambda x: x * x, (X,)),
+    "x+x": (lambda x: x + x, (X,)),
+    "outer(x,x)": (lambda x: jnp.outer(x, x), (X,)),
+    "x@x.T": (lambda m: m @ m.T, (M,)),
+    "numpy constant": (lambda x: NUMPY_CONSTANT * x + np.float32(2.0), (X,)),
+    "python float input": (lambda x: x * 2.0 + jnp.sin(x), (1.5,)),
+    "numpy input": (lambda x: jnp.exp(x) * x, (np.linspace(0, 1, 4, dtype=np.float32),)),
+    "output is input": (lambda x: (x, jnp.sin(x)), (X,)),
+    "output read later": (lambda x: (jnp.sin(x), jnp.sin(x) * 2), (X,)),
+    "max ties": (lambda x: jnp.maximum(x, jnp.array([0.5, 1.0, 0.2])), (jnp.array([0.5, 1.0, 0.3]),)),
+    "min ties": (lambda x: jnp.minimum(x, x[::-1]), (jnp.array([0.5, 1.0, 0.5]),)),
+    "reduce_max ties": (lambda x: jnp.max(x), (jnp.array([1.0, 3.0, 3.0]),)),
+    "jnp.where": (lambda x: jnp.where(x > 0.5, x ** 2, jnp.cos(x)), (X,)),
+    "clip": (lambda x: jnp.clip(x, 0.3, 0.9), (X,)),
+    "linalg.norm": (lambda x: jnp.linalg.norm(x), (X,)),
+    "cumsum": (lambda x: jnp.cumsum(x), (X,)),
+    "cumsum reverse": (lambda m: lax.cumsum(m, axis=1, reverse=True), (M,)),
+    "cumprod": (lambda m: jnp.cumprod(m, axis=0), (M,)),
+    "cummax": (lambda m: lax.cummax(m, axis=1), (M,)),
+    "pad": (lambda x: jnp.pad(x, (2, 1)), (X,)),
+    "relu": (lambda x: jax.nn.relu(x - 0.5), (X,)),
+    "logaddexp": (lambda x: jnp.logaddexp(x, 0.3), (X,)),
+    "softplus/silu/gelu": (lambda x: jax.nn.softplus(x) + jax.nn.silu(x) * jax.nn.gelu(x), (X,)),
+    "softmax": (lambda m: jax.nn.softmax(m, axis=-1), (M,)),
+    "log_softmax": (lambda m: jax.nn.log_softmax(m, axis=0), (M,)),
+    "logsumexp": (lambda m: jax.scipy.special.logsumexp(m, axis=1), (M,)),
+    "custom_vjp": (_custom_vjp_sin, (X,)),
+    "select_n": (lambda x: lax.select_n(x > 0.6, x, jnp.sin(x)), (X,)),
+    "split": (lambda x: jnp.split(jnp.sin(x), 3), (X,)),
+    "squeeze of expanded": (lambda x: jnp.squeeze(x[None, :, None]) * 2, (X,)),
+    "static indexing": (lambda x: x[2] * x[1:4], (X,)),
+    "rev": (lambda x: x[::-1] * x, (X,)),
+    "gather": (lambda x: x[jnp.array([0, 2, 2, 5])], (X,)),
+    "scatter-add": (lambda x: jnp.zeros(4).at[jnp.array([0, 2, 2])].add(x[:3] ** 2), (X,)),
+    "scatter": (lambda x: x.at[jnp.array([0, 2])].set(x[3:5] ** 2), (X,)),
+    "dynamic_slice": (lambda x: lax.dynamic_slice(x, (2,), (3,)) * x[0], (X,)),
+    "dynamic_update_slice": (lambda x: lax.dynamic_update_slice(x, x[:2] * 3, (3,)), (X,)),
+    "scan": (lambda x: lax.scan(lambda c, a: (c * a + jnp.sin(c), c), 1.0, x), (X,)),
+    "while": (lambda x: lax.fori_loop(0, 3, lambda i, c: c * x + 1, x), (X,)),
+    "cond": (lambda x: lax.cond(x.sum() > 1, lambda a: a * 2, jnp.sin, x), (X,)),
+    "sort": (lambda x: jnp.sort(jnp.sin(5 * x)), (X,)),
+    "reshape": (lambda m: jnp.sin(m.reshape(4, 3)) @ m, (M,)),
+    "concatenate/stack": (lambda x: jnp.stack([x[0] * x[1], x[2], jnp.float32(3.0)]), (X,)),
+    "stop_gradient": (lambda x: x * lax.stop_gradient(x), (X,)),
+    "integer values": (lambda x: x * jnp.arange(6) + (x > 0.5), (X,)),
+    "layer norm": (lambda m: (m - m.mean(0)) / jnp.sqrt(m.var(0) + 1e-5), (M,)),
+    "convolution": (lambda x: jnp.convolve(x, jnp.array([1.0, 2.0, 3.0])), (X,)),
+    "pow family": (lambda x: x ** x + x ** 3 + jnp.sqrt(x) + jnp.cbrt(x), (X,)),
+    "jit-wrapped": (jax.jit(lambda x: jnp.sin(x) * 2), (X,)),
+    "batched einsum": (lambda m: jnp.einsum("bij,bjk->bik", m.reshape(3, 2, 2), m.reshape(3, 2, 2)), (M,)),
+    "pytree": (lambda p: {"a": p["w"] @ p["b"], "c": (p["b"].sum(), p["w"])}, ({"w": M, "b": X[:4]},)),
+    "conv2d": (lambda k: lax.conv_general_dilated(M[None, None], k, (1, 1), "SAME"), (jnp.ones((2, 1, 2, 2)),)),
+    "prod": (lambda m: jnp.prod(m, axis=1), (M,)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ANCHOR_CASES))
+def test_anchor_failure_classes(name):
+    fun, args = ANCHOR_CASES[name]
+    want = jax.jacrev(fun)(*args)
+    assert_orders_match(fun, args, 0, want, lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 2, seed=7),
+                        rtol=1e-5, atol=1e-6)
+    assert_same_jacobian(jaxtool.jacve(fun)(*args), want, rtol=1e-5, atol=1e-6)
+
+
+# --- the Python API
+
+
+def test_argnums_has_aux_and_pytrees_match_jacrev_structure():
+    def f(a, b, c):
+        return {"y": a["w"] @ b + c, "z": jnp.tanh(b).sum()}, {"aux": b * 2}
+
+    args = ({"w": M}, X[:4], 2.0)
+    for argnums in (0, 1, (0, 1), (1, 0, 2)):
+        got = jaxtool.jacve(f, argnums=argnums, has_aux=True)(*args)
+        want = jax.jacrev(f, argnums=argnums, has_aux=True)(*args)
+        assert_same_jacobian(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_composes_with_jit_vmap_and_second_derivatives():
+    f = lambda x: jnp.sin(x) * jnp.exp(x).sum() + x ** 2  # noqa: E731
+    x = jnp.linspace(0.1, 1.0, 5)
+    batch = jnp.stack([x, 2 * x, -x])
+    np.testing.assert_allclose(jax.vmap(jaxtool.jacve(f))(batch), jax.vmap(jax.jacrev(f))(batch), rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(jaxtool.jacve(f, order="fwd"))(x), jax.jacfwd(f)(x), rtol=1e-5)
+    hessian = jax.hessian(f)(x)
+    np.testing.assert_allclose(jaxtool.jacve(jaxtool.jacve(f), order="markowitz")(x), hessian, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(jax.jacfwd(jaxtool.jacve(f))(x), hessian, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(jax.jacrev(jaxtool.jacve(f, order="fwd"))(x), hessian, rtol=1e-4, atol=1e-5)
+    closed = jax.make_jaxpr(jaxtool.jacve(f))(x)
+    jax.extend.core.check_jaxpr(closed.jaxpr)
+
+
+# --- structure
+
+
+def test_elementwise_chain_of_a_million_stays_diagonal():
+    n = 1_000_000
+    f = lambda x: jnp.tanh(jnp.exp(jnp.sin(x) * 2.0) + x)  # noqa: E731
+    problem = trace_problem(f, jnp.linspace(0.0, 1.0, n))
+    run(problem, resolve_order("rev", problem))
+    partial = problem.graph.preds[problem.outputs[0]][-1]
+    assert isinstance(partial, Sparse) and partial.pairs == (0,)
+    assert partial.stored == n  # one value per element, never n*n
+
+
+def test_custom_jvp_rules_keep_their_structure():
+    relu = trace_problem(lambda x: jax.nn.relu(x), M)
+    (partial,) = relu.graph.preds[relu.outputs[0]].values()
+    assert isinstance(partial, Sparse) and partial.pairs == (0, 1)
+    softmax = trace_problem(lambda x: jax.nn.softmax(x, axis=-1), M)
+    run(softmax, resolve_order("rev", softmax))
+    (partial,) = softmax.graph.preds[softmax.outputs[0]].values()
+    assert isinstance(partial, Sparse) and partial.pairs[0] == 0  # rows stay independent
+    np.testing.assert_allclose(partial.to_dense(), jax.jacrev(lambda x: jax.nn.softmax(x, axis=-1))(M), atol=1e-6)
+
+
+def test_diagonal_times_slice_is_a_scaled_slice():
+    problem = trace_problem(lambda x: jnp.sin(x)[1:4], X)
+    run(problem, resolve_order("fwd", problem))
+    (partial,) = problem.graph.preds[problem.outputs[0]].values()
+    assert isinstance(partial, Linear) and partial.selection and partial.has_scale
+
+
+# --- operation counts, derived by hand
+
+
+def test_counts_of_a_scalar_chain():
+    # y = sin(x) * x: vertices 1 = sin x, 2 = mul. Eliminating 1: one product (dmul/dsin * dsin/dx) = 1 mult,
+    # summed into the direct edge x -> y = 1 addition.
+    problem = trace_problem(lambda x: jnp.sin(x) * x, 0.5)
+    assert problem.eliminable == (1,)
+    cost = run(problem.plan(), [1])
+    assert (cost.mults, cost.adds) == (1, 1)
+
+
+def test_counts_of_a_vector_chain_and_a_reduction():
+    # y = sum(exp(sin(x))) for x of size n. fwd: eliminate sin (n mults: diag*diag), then exp (a unit reduction
+    # times a diagonal: 0 mults, the sum is structural). rev: eliminate exp first (0 mults), then sin (n mults).
+    n = 7
+    problem = trace_problem(lambda x: jnp.exp(jnp.sin(x)).sum(), jnp.ones(n))
+    assert problem.eliminable == (1, 2)
+    assert run(problem.plan(), [1, 2]).mults == n
+    assert run(problem.plan(), [2, 1]).mults == n
+
+
+def test_counts_of_a_matrix_chain_follow_the_association():
+    # y = (A @ B) @ c with A: 2x3 input, B: 3x4 constant, c: 4 constant; vertex 1 = A@B (2x4), 2 = ... @ c (2).
+    # d1/dA pairs the row axis and is B^T (4x3) for every row; d2/d1 pairs the row axis and is c (4) for every
+    # row. Their product c^T B^T (3) is the same for every row and is formed once: 4*3 = 12 multiplications and
+    # (4-1)*3 = 9 additions (a dense product would take 2*4*3 = 24).
+    B = jnp.ones((3, 4))
+    c = jnp.ones(4)
+    problem = trace_problem(lambda a: (a @ B) @ c, jnp.ones((2, 3)))
+    cost = run(problem.plan(), [1])
+    assert cost.mults == 12 and cost.adds == 9
+
+
+def test_markowitz_picks_the_cheapest_vertex_first():
+    # y = 3 sin(w.x), x of size 50: v1 = w.x (edge x->v1 is the row w: 50 values), v2 = sin v1, v3 = 3 v2.
+    # Eliminating v1 first costs 50 (the row times a scalar), v2 first costs 1 (scalar times scalar).
+    # Markowitz: v2 (1), then v1 (50) = 51; fwd: v1 (50), then v2 (the new 50-row times a scalar, 50) = 100.
+    w = jnp.linspace(0.0, 1.0, 50)
+    problem = trace_problem(lambda x: jnp.sin(w @ x) * 3.0, jnp.ones(50))
+    order = resolve_order("markowitz", problem)
+    assert order == [2, 1]
+    assert run(problem.plan(), order).mults == 51
+    assert run(problem.plan(), resolve_order("fwd", problem)).mults == 100
+
+
+# --- orders and errors
+
+
+def test_custom_order_errors_name_the_offending_vertices():
+    problem = trace_problem(lambda x: jnp.sin(jnp.cos(x) * x) + 1.0, X)
+    eliminable = list(problem.eliminable)
+    n = problem.program.num_vertices
+    assert resolve_order(",".join(map(str, eliminable[::-1])), problem) == eliminable[::-1]
+    with pytest.raises(OrderError, match=r"duplicates 1"):
+        resolve_order([1] + eliminable, problem)
+    with pytest.raises(OrderError, match=r"unknown vertices 0"):
+        resolve_order([0] + eliminable, problem)
+    with pytest.raises(OrderError, match=rf"unknown vertices {n + 5}"):
+        resolve_order(eliminable + [n + 5], problem)
+    with pytest.raises(OrderError, match=rf"missing vertices {eliminable[-1]}"):
+        resolve_order(eliminable[:-1], problem)
+    with pytest.raises(OrderError, match=rf"cannot be eliminated {n}"):
+        resolve_order(eliminable + [n], problem)
+    with pytest.raises(OrderError, match="invalid order"):
+        resolve_order("sideways", problem)
+
+
+def test_non_differentiable_primitive_is_reported_with_location():
+    def f(x):
+        y = jax.pure_callback(lambda a: np.sin(a), jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return y * 2
+
+    with pytest.raises(UnsupportedError) as info:
+        jaxtool.jacve(f)(X)
+    assert info.value.primitive == "pure_callback"
+    assert "test_engine.py" in (info.value.location or "")
