@@ -82,33 +82,62 @@ def _float_outputs(outvals):
 # elementwise: diagonal partials, values from a JVP with a tangent of ones
 
 ELEMENTWISE = [
-    P.add_p, P.sub_p, P.mul_p, P.div_p, P.neg_p, P.max_p, P.min_p, P.abs_p, P.sign_p, P.exp_p,
+    P.div_p, P.max_p, P.min_p, P.abs_p, P.sign_p, P.exp_p,
     P.exp2_p, P.expm1_p, P.log_p, P.log1p_p, P.sin_p, P.cos_p, P.tan_p, P.asin_p, P.acos_p,
     P.atan_p, P.atan2_p, P.sinh_p, P.cosh_p, P.tanh_p, P.asinh_p, P.acosh_p, P.atanh_p,
     P.logistic_p, P.sqrt_p, P.rsqrt_p, P.cbrt_p, P.pow_p, P.integer_pow_p, P.square_p, P.erf_p,
     P.erfc_p, P.erf_inv_p, P.select_n_p, P.clamp_p, P.rem_p, P.round_p, P.floor_p, P.ceil_p,
     P.lgamma_p, P.digamma_p, P.igamma_p, P.igammac_p, P.nextafter_p, P.reduce_precision_p,
-    P.add_jaxvals_p, P.bessel_i0e_p, P.bessel_i1e_p, P.polygamma_p, P.zeta_p,
+    P.bessel_i0e_p, P.bessel_i1e_p, P.polygamma_p, P.zeta_p,
 ]
+
+
+def _operand_partial(x_shape, out_shape, d, dtype) -> Sparse:
+    """The diagonal partial of an elementwise result w.r.t. an operand of ``x_shape``.
+
+    ``d`` (broadcastable to ``out_shape``; ``None`` for exactly one) is the derivative; an operand
+    broadcast against the others (rank 0, or size-1 axes) is paired only along its full axes.
+    """
+    pairs = tuple(k if x_shape and x_shape[k] == n else None for k, n in enumerate(out_shape))
+    unpaired = [j for j in range(len(x_shape)) if j not in pairs]
+    if d is None:
+        return Sparse.structural(out_shape, x_shape, pairs, dtype)
+    d = jnp.asarray(d)
+    d = d.reshape((1,) * (len(out_shape) - d.ndim) + d.shape)
+    d = d.reshape(tuple(1 if s == 1 else n for s, n in zip(d.shape, out_shape)) + (1,) * len(unpaired))
+    return Sparse(out_shape, x_shape, pairs, d.shape, np.dtype(d.dtype), d)
 
 
 @register(*ELEMENTWISE)
 def elementwise(eqn, invals, outvals, wrt):
+    """Any elementwise primitive: the derivative is JAX's JVP along a tangent of ones."""
     out_shape = _shape(outvals[0])
+    dtype = jax.typeof(outvals[0]).dtype
     result = []
     for i in wrt:
         x = invals[i]
         d = _jvp_at(eqn, invals, i, jnp.ones(_shape(x), jax.typeof(x).dtype))[0]
-        if _shape(x) == out_shape:
-            result.append((i, 0, Sparse.diag(d, out_shape)))
-            continue
-        # an operand broadcast against the others (rank 0, or size-1 axes): pair the full axes
-        xs = _shape(x)
-        pairs = tuple(k if xs and xs[k] == n else None for k, n in enumerate(out_shape))
-        unpaired = [j for j in range(len(xs)) if j not in pairs]
-        val = d.reshape(out_shape + (1,) * len(unpaired))
-        result.append((i, 0, Sparse(out_shape, xs, pairs, val.shape, np.dtype(val.dtype), val)))
+        result.append((i, 0, _operand_partial(_shape(x), out_shape, d, dtype)))
     return result
+
+
+@register(P.add_p, P.add_jaxvals_p, P.sub_p, P.neg_p)
+def signed_sum(eqn, invals, outvals, wrt):
+    """``+1`` partials cost nothing; ``-1`` partials are a single stored value."""
+    out_shape = _shape(outvals[0])
+    dtype = jax.typeof(outvals[0]).dtype
+    negative = {P.sub_p: {1}, P.neg_p: {0}}.get(eqn.primitive, set())
+    return [(i, 0, _operand_partial(_shape(invals[i]), out_shape,
+                                    jnp.asarray(-1, dtype) if i in negative else None, dtype)) for i in wrt]
+
+
+@register(P.mul_p)
+def mul(eqn, invals, outvals, wrt):
+    """``d(x*y)/dx = y``, kept at the shape of ``y`` (a scalar factor stays one value)."""
+    out_shape = _shape(outvals[0])
+    dtype = jax.typeof(outvals[0]).dtype
+    return [(i, 0, _operand_partial(_shape(invals[i]), out_shape, jnp.asarray(invals[1 - i], dtype), dtype))
+            for i in wrt]
 
 
 @register(P.convert_element_type_p, P.copy_p)
