@@ -1,0 +1,158 @@
+"""Smoke test of ``scripts/bench.py`` (``make bench``): its machinery on one tiny program.
+
+No timing is asserted: the counts are tiny and the program is a two-input toy, so that the test
+costs a few small compilations. What is checked is that every measurement is made, the Jacobians
+are compared with ``jax.jacrev``'s, the operation counts are jaxtool's own, and the markdown has
+every table with one row per program and a ratio that follows from the times it shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def toy(x, n, y):
+    """Two float inputs (one a vector) and an integer one, which must not be differentiated."""
+    return jnp.sin(x) * y + jnp.cos(x * y) * n, jnp.sum(x * x) + y
+
+
+def toy_args():
+    return jnp.asarray([0.3, -0.2, 0.5], jnp.float32), jnp.int32(2), jnp.float32(1.5)
+
+
+@pytest.fixture(scope="module")
+def measured(bench):
+    opts = argparse.Namespace(**bench.QUICK, quick=True)
+    result = bench.bench_program("toy", toy, toy_args(), opts)
+    text = bench.report([result], opts, bench.machine_description(), (1.0, 1.0, 1.0), None, 1.0)
+    return result, text
+
+
+def _table(text: str, heading: str) -> list:
+    """The rows (lists of cells) of the table under the ``## heading...`` line."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("## " + heading))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_every_measurement_is_made(bench, measured):
+    result, _ = measured
+    assert result.argnums == (0, 2)  # the floating-point arguments only
+    for times in (result.run, result.batched, result.first):
+        assert set(times) == set(bench.COMPETITORS)
+        assert all(0 < t < 60 for t in times.values())
+    assert set(result.deviation) == set(bench.ORDERS)
+    assert max(result.deviation.values()) <= bench.TOLERANCE
+
+
+def test_operation_counts_are_jaxtools(bench, measured):
+    from jaxtool.elimination import run
+    from jaxtool.jacobian import trace_problem
+    from jaxtool.orders import resolve_order
+
+    result, _ = measured
+    problem = trace_problem(toy, *toy_args(), argnums=(0, 2))
+    for order in bench.ORDERS:
+        cost = run(problem.plan(), resolve_order(order, problem))
+        assert result.ops[order] == (cost.mults, cost.adds)
+        assert cost.mults > 0
+
+
+def test_markdown_report(bench, measured):
+    result, text = measured
+    assert text.startswith("# Benchmarks")
+    assert "## Machine" in text and "jax 0." in text and "`--quick`" in text
+    assert "toy: 2 of 3" in text
+
+    for heading, unit, key in (("Run time", 1e6, "run"), ("Batched", 1e3, "batched")):
+        header, _, row, mean = _table(text, heading)
+        assert header[:6] == ["program", "`jax.jacfwd`", "`jax.jacrev`", "`jacve fwd`", "`jacve rev`",
+                              "`jacve markowitz`"]
+        assert row[0] == "toy"
+        times = dict(zip(header[1:6], (float(c) for c in row[1:6])))
+        best = row[6]
+        assert best in bench.ORDERS
+        assert times[f"`jacve {best}`"] == min(times[f"`jacve {o}`"] for o in bench.ORDERS)
+        ratio = float(row[7])
+        expected = times[f"`jacve {best}`"] / min(times["`jax.jacfwd`"], times["`jax.jacrev`"])
+        assert math.isclose(ratio, expected, rel_tol=0.05, abs_tol=0.01)  # shown times are rounded
+        assert ratio == pytest.approx(bench.speed_ratio(getattr(result, key)), abs=0.006)
+        assert mean[0] == "**geo. mean**" and mean[-1] == f"**{row[7]}**"  # one program: the mean is its ratio
+
+    header, _, row, mean = _table(text, "First call")
+    assert header[-3:] == ["fwd / jacrev", "rev / jacrev", "markowitz / jacrev"]
+    for order, cell in zip(bench.ORDERS, row[-3:]):
+        assert float(cell) == pytest.approx(result.first[f"jacve {order}"] / result.first["jax.jacrev"], abs=0.006)
+
+    header, _, row = _table(text, "Operation counts")
+    assert row[0] == "toy"
+    assert row[1:4] == [f"{m} ({a})" for m, a in (result.ops[o] for o in bench.ORDERS)]
+    assert row[4:8] == ["-"] * 4  # graphax has no counts for this program
+    assert "MISMATCH" not in row[8]
+
+
+def test_graphax_counts_cover_every_program(bench):
+    assert set(bench.GRAPHAX_MULS) == set(bench.PROGRAMS)
+    for name in bench.PROGRAMS:
+        assert (Path(bench.SAMPLES_DIR) / f"{name}.py").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--programs", "roe_flux_1d,nope"], "unknown program(s) nope"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+])
+def test_bad_options_exit_2(bench, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_options(bench):
+    quick = bench.parse_args(["--quick", "--programs", "encoder, perceptron", "--calls", "5"])
+    assert quick.programs == ["encoder", "perceptron"]
+    assert (quick.rounds, quick.calls, quick.batch) == (bench.QUICK["rounds"], 5, bench.QUICK["batch"])
+    full = bench.parse_args([])
+    assert full.programs == list(bench.PROGRAMS) and full.batch == 1024 and full.output is None
+
+
+def test_round_robin_caps_slow_calls_by_budget(bench):
+    calls = {"slow": 0, "fast": 0}
+
+    def make(name, seconds):
+        def f():
+            calls[name] += 1
+            time.sleep(seconds)
+            return jnp.zeros(())
+        return f
+
+    times = bench.time_round_robin({"slow": make("slow", 0.02), "fast": make("fast", 0.0)}, (), rounds=3,
+                                   calls=10, budget=0.05)
+    assert calls["fast"] == 2 + 3 * 10  # two warm-up calls, then every round in full
+    assert 2 + 3 * 1 <= calls["slow"] <= 2 + 3 * 2  # 0.05 s affords at most two 0.02 s calls a round
+    assert times["slow"] >= 0.02 > times["fast"]
