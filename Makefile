@@ -20,7 +20,7 @@ test: install-test
 	$(PYTHON) -m pytest
 
 fuzz: install-test
-	$(PYTHON) scripts/fuzz.py --cases 10000
+	$(PYTHON) scripts/fuzz.py --count 10000
 
 bench: install-test
 	$(PYTHON) scripts/bench.py --output BENCHMARKS.md
