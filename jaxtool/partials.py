@@ -367,7 +367,7 @@ def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
 
 #: Products with at most this many scalar multiplications are written as broadcast-multiply-sum, which
 #: XLA fuses with its neighbours; larger contractions go to ``dot_general``.
-SMALL_CONTRACTION = 4096
+SMALL_CONTRACTION = 64
 
 
 def _contract(operands, specs, out_spec, loop, dtype):
