@@ -220,8 +220,8 @@ def blocks(problem: Problem) -> list:
 
 
 def _block_dtype(out_aval, in_aval):
-    """``jax.jacrev``'s dtype for a block: the output's if it is floating, else the input's."""
-    return out_aval.dtype if is_differentiable(out_aval) else in_aval.dtype
+    """``jax.jacrev``'s dtype for a block: the differentiated input's."""
+    return in_aval.dtype
 
 
 def linear_partials(fn, primals, tangents, wrt, outs) -> list:

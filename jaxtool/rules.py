@@ -56,17 +56,16 @@ def partials_of(eqn: FlatEqn, invals, outvals, wrt) -> list:
 # helpers
 
 
-def _zero_tangent(x):
-    aval = jax.typeof(x)
-    if is_differentiable(aval):
-        return jnp.zeros(aval.shape, aval.dtype)
-    return np.zeros(aval.shape, jax.dtypes.float0)
-
-
 def _jvp_at(eqn, invals, i, t):
-    """Output tangents of ``eqn`` for tangent ``t`` on input ``i`` (zeros elsewhere)."""
-    tangents = [t if j == i else _zero_tangent(x) for j, x in enumerate(invals)]
-    _, out = jax.jvp(lambda *xs: bind(eqn, *xs), list(invals), tangents)
+    """Output tangents of ``eqn`` for tangent ``t`` on input ``i``; the other inputs are constants.
+
+    Holding the others as constants (not as zero tangents) lets JAX use symbolic zeros, which some
+    JVP rules need (``scatter_mul`` with repeated indices, ``clamp`` with scalar bounds).
+    """
+    def of_input_i(x):
+        return bind(eqn, *invals[:i], x, *invals[i + 1:])
+
+    _, out = jax.jvp(of_input_i, (invals[i],), (t,))
     return out if eqn.primitive.multiple_results else (out,)
 
 
@@ -348,18 +347,18 @@ def custom_jvp(eqn, invals, outvals, wrt):
     """The user's JVP rule, traced and eliminated as a linear sub-program: its structure survives."""
     from jaxtool.elimination import linear_partials
 
-    def jvp(primals, tangents):
-        return jax.jvp(lambda *xs: bind(eqn, *xs), list(primals), list(tangents))[1]
+    tangents = [jnp.zeros(_shape(invals[i]), jax.typeof(invals[i]).dtype) for i in wrt]
+
+    def tangent_fn(primals, ts):
+        def of_wrt(*xs):
+            full = list(primals)
+            for i, x in zip(wrt, xs):
+                full[i] = x
+            return bind(eqn, *full)
+
+        return jax.jvp(of_wrt, tuple(primals[i] for i in wrt), tuple(ts))[1]
 
     try:
-        tangents = [jnp.zeros(_shape(invals[i]), jax.typeof(invals[i]).dtype) for i in wrt]
-
-        def tangent_fn(primals, ts):
-            full = [_zero_tangent(x) for x in primals]
-            for i, t in zip(wrt, ts):
-                full[i] = t
-            return jvp(primals, full)
-
         return linear_partials(tangent_fn, list(invals), tangents, wrt, _float_outputs(outvals))
     except UnsupportedError:
         return opaque(eqn, invals, outvals, wrt)

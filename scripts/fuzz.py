@@ -1,0 +1,101 @@
+"""``make fuzz``: compare ``jaxtool.jacve`` with ``jax.jacrev`` on many random programs.
+
+Each seed is one program from ``tests/program_generator.py`` (3..``--max-ops`` operations),
+checked with the ``fwd``, ``rev`` and ``markowitz`` orders and ``--random-orders`` random valid
+orders (compiled without XLA's optimisation passes, see ``program_generator.quick_compilation``).
+Progress and the report of every failure go to stderr; stdout gets the summary
+``N passed, M failed`` (plus skipped seeds: no valid program in 20 attempts) and the seed of every
+failure. Exit status 1 if any seed failed, else 0.
+
+    python scripts/fuzz.py                   # seeds 0..9999 on every CPU
+    python scripts/fuzz.py -n 500 --start 20000 --jobs 2
+    python scripts/fuzz.py --seeds 9,417      # re-check some seeds
+    python scripts/fuzz.py --show 417         # print a seed's program as a runnable reproducer
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import program_generator as pg  # noqa: E402
+
+
+def check(task):
+    """Worker: ``(seed, status, report)``, status "passed", "failed" or "skipped"."""
+    seed, max_ops, n_random = task
+    return (seed,) + pg.check_seed_outcome(seed, n_random, max_ops, reproducer=False)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", "--count", type=int, default=10000, help="number of seeds (default 10000)")
+    parser.add_argument("--start", type=int, default=0, help="first seed (default 0)")
+    parser.add_argument("--seeds", help="comma-separated seeds to check instead of a range")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: CPUs)")
+    parser.add_argument("--max-ops", type=int, default=25, help="most operations per program (default 25)")
+    parser.add_argument("--random-orders", type=int, default=2, help="random orders per program (default 2)")
+    parser.add_argument("--show", type=int, metavar="SEED", help="print SEED's reproducer script and exit")
+    return parser.parse_args(argv)
+
+
+def show(seed: int, max_ops: int) -> int:
+    """Print the reproducer of ``seed``'s first valid attempt (the one the fuzzer checks)."""
+    for attempt in range(pg.MAX_ATTEMPTS):
+        case = pg.generate(seed, attempt, max_ops)
+        if pg.reference(case) is not None:
+            break
+    print("# " + case.description().replace("\n", "\n# "))
+    print(case.reproducer())
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.show is not None:
+        return show(args.show, args.max_ops)
+    seeds = ([int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds
+             else list(range(args.start, args.start + args.count)))
+    tasks = [(s, args.max_ops, args.random_orders) for s in seeds]
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    failed = []
+    started = time.monotonic()
+    jobs = max(1, min(args.jobs, len(tasks)))
+    pg.quick_compilation()
+    # fresh workers now and then: every compilation leaves something in JAX's caches
+    pool = (multiprocessing.get_context("spawn").Pool(jobs, initializer=pg.quick_compilation, maxtasksperchild=100)
+            if jobs > 1 else None)
+    results = pool.imap_unordered(check, tasks) if pool else map(check, tasks)
+    try:
+        for done, (seed, status, report) in enumerate(results, 1):
+            counts[status] += 1
+            if status == "failed":
+                failed.append(seed)
+                print(f"FAILED {report}\n(reproducer: python scripts/fuzz.py --max-ops {args.max_ops} --show {seed})\n",
+                      file=sys.stderr, flush=True)
+            if done % 50 == 0 or done == len(tasks):
+                elapsed = time.monotonic() - started
+                print(f"[{done}/{len(tasks)}] {counts['passed']} passed, {counts['failed']} failed, "
+                      f"{counts['skipped']} skipped ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+    finally:
+        if pool:
+            pool.terminate()
+    summary = f"{counts['passed']} passed, {counts['failed']} failed"
+    print(summary + (f", {counts['skipped']} skipped" if counts["skipped"] else ""))
+    if failed:
+        print("failed seeds: " + ",".join(map(str, sorted(failed))))
+        print(f"(re-check: python scripts/fuzz.py --max-ops {args.max_ops} --seeds {','.join(map(str, sorted(failed)))})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
