@@ -57,16 +57,28 @@ def partials_of(eqn: FlatEqn, invals, outvals, wrt) -> list:
 
 
 def _jvp_at(eqn, invals, i, t):
-    """Output tangents of ``eqn`` for tangent ``t`` on input ``i``; the other inputs are constants.
+    """Output tangents of ``eqn`` for tangent ``t`` on input ``i`` (zero on the others).
 
-    Holding the others as constants (not as zero tangents) lets JAX use symbolic zeros, which some
-    JVP rules need (``scatter_mul`` with repeated indices, ``clamp`` with scalar bounds).
+    The other inputs are held constant, so JAX passes them symbolic zeros, which some JVP rules
+    need (``scatter_mul`` with repeated indices, ``clamp`` with scalar bounds). A few rules reject
+    symbolic zeros instead (``custom_linear_solve``); those get explicit zero tangents.
     """
     def of_input_i(x):
         return bind(eqn, *invals[:i], x, *invals[i + 1:])
 
-    _, out = jax.jvp(of_input_i, (invals[i],), (t,))
+    try:
+        _, out = jax.jvp(of_input_i, (invals[i],), (t,))
+    except TypeError:
+        tangents = [t if j == i else _zero_tangent(x) for j, x in enumerate(invals)]
+        _, out = jax.jvp(lambda *xs: bind(eqn, *xs), list(invals), tangents)
     return out if eqn.primitive.multiple_results else (out,)
+
+
+def _zero_tangent(x):
+    aval = jax.typeof(x)
+    if is_differentiable(aval):
+        return jnp.zeros(aval.shape, aval.dtype)
+    return np.zeros(aval.shape, jax.dtypes.float0)
 
 
 def _shape(x):

@@ -311,6 +311,7 @@ UNARY = [
 
 
 def op_unary(b: _Builder) -> bool:
+    """An elementwise function of one value (math, custom rules, nested jit/checkpoint/grad, ...)."""
     var = b.pick(b.floats())
     template, bound_of = b.rng.choice(UNARY)
     if "vmap" in template and not var.shape:
@@ -361,6 +362,7 @@ def _broadcast_partner(b: _Builder, var: Var):
 
 
 def op_binary(b: _Builder) -> bool:
+    """An elementwise function of two values, broadcasting (scalar, row, column or outer)."""
     var = b.pick(b.floats())
     other, wrap, shape = _broadcast_partner(b, var)
     template, bound_of = b.rng.choice(BINARY)
@@ -369,10 +371,10 @@ def op_binary(b: _Builder) -> bool:
     if bound_of(ba, bb) > BOUND_LIMIT:
         ea, ba, eb, bb = f"jnp.tanh({var.name})", 1.0, f"jnp.tanh({other.name})", 1.0
     if "vmap" in template and (shape != var.shape or shape != other.shape or not shape):
-        template, bound_of = BINARY[2]  # vmap needs equal, batched shapes: a plain product instead
+        return False  # vmap needs equal shapes with a batch axis
     if wrap != "{}" and len(var.shape) == 1 and len(shape) == 2 and shape[1] == var.shape[0]:
-        ea = f"{ea}[None, :]" if ea == var.name else f"({ea})[None, :]"
-    eb = wrap.format(eb if eb == other.name else f"({eb})")
+        ea = f"{ea}[None, :]"
+    eb = wrap.format(eb)
     b.add(template.format(a=ea, b=eb), shape, bound=bound_of(ba, bb), tag="binary:" + template.format(a="x", b="y"))
     return True
 
@@ -390,6 +392,8 @@ def op_constant(b: _Builder) -> bool:
         b.add(f"{expr} + {c}", var.shape, bound=bound + 2, tag="const:np_add_broadcast")
     elif choice == 2 and len(var.shape) in (1, 2):
         n = b.rng.randint(2, 4)
+        if not _fits((n,) + var.shape[1:]):
+            return False
         c = b.const((n, var.shape[0]))
         b.add(f"{c} @ {expr}", (n,) + var.shape[1:], bound=2 * var.shape[0] * bound, tag="const:np_matmul")
     else:
@@ -399,6 +403,7 @@ def op_constant(b: _Builder) -> bool:
 
 
 def op_reduce(b: _Builder) -> bool:
+    """A reduction over all, one or two axes (keepdims sometimes), or a softmax along one."""
     var = b.pick(b.floats(lambda v: len(v.shape) >= 1))
     if var is None:
         return False
@@ -445,6 +450,7 @@ def op_reduce(b: _Builder) -> bool:
 
 
 def op_slice(b: _Builder) -> bool:
+    """Static slicing and indexing: strides, reversal, single rows and columns, rolls, diffs."""
     var = b.pick(b.floats(lambda v: len(v.shape) >= 1))
     if var is None:
         return False
@@ -478,6 +484,7 @@ def _index_list(rng, n, k, unique=False):
 
 
 def op_gather_scatter(b: _Builder) -> bool:
+    """Indexing with constant index arrays (repeats included) and ``.at[...]`` updates."""
     var = b.pick(b.floats(lambda v: len(v.shape) >= 1))
     if var is None:
         return False
@@ -587,6 +594,7 @@ def op_window_update(b: _Builder) -> bool:
 
 
 def op_concat(b: _Builder) -> bool:
+    """``concatenate`` (with itself or a constant sometimes) or ``stack`` of same-shaped values."""
     rng = b.rng
     var = b.pick(b.floats(lambda v: len(v.shape) >= 1))
     if var is None:
@@ -621,6 +629,7 @@ def op_concat(b: _Builder) -> bool:
 
 
 def op_reshape(b: _Builder) -> bool:
+    """Reshapes, transposes, unit axes and broadcasts to a new leading axis."""
     rng = b.rng
     var = b.pick(b.floats())
     s, a = var.shape, var.name
@@ -698,6 +707,7 @@ def op_contract(b: _Builder) -> bool:
 
 
 def op_cumulative(b: _Builder) -> bool:
+    """Cumulative sums, products, maxima, minima and log-sum-exps along an axis."""
     rng = b.rng
     var = b.pick(b.floats(lambda v: len(v.shape) >= 1))
     if var is None:
@@ -722,6 +732,7 @@ def op_cumulative(b: _Builder) -> bool:
 
 
 def op_sort(b: _Builder) -> bool:
+    """Sorting: along an axis, flattened, descending, by other keys, top-k, median."""
     rng = b.rng
     var = b.pick(b.floats(lambda v: len(v.shape) >= 1))
     if var is None:
