@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtool.errors import UnsupportedError, UsageError
-from jaxtool.graph import Const, FlatProgram, Input, evaluate, flatten
+from jaxtool.graph import Const, FlatProgram, Input, evaluate, flatten, read
 from jaxtool.partials import Cost, Partial, Sparse, add, matmul
 from jaxtool.rules import is_differentiable, partials_of
 
@@ -149,19 +149,12 @@ def build(program: FlatProgram, args, wrt) -> Problem:
             useful.update(_node(a) for a in eqn.invars if _node(a) is not None)
     live = active & useful
 
-    def read(atom):
-        if isinstance(atom, Input):
-            return args[atom.index]
-        if isinstance(atom, Const):
-            return atom.value
-        return values[atom]
-
     graph = EdgeGraph()
     for eqn in program.eqns:
         positions = [i for i, a in enumerate(eqn.invars) if _node(a) in live]
         if not positions or not any(v in live for v in eqn.outvars):
             continue
-        invals = [read(a) for a in eqn.invars]
+        invals = [read(a, args, values) for a in eqn.invars]
         outvals = [values[v] for v in eqn.outvars]
         for i, k, partial in partials_of(eqn, invals, outvals, positions):
             v = eqn.outvars[k]
@@ -184,7 +177,7 @@ def build(program: FlatProgram, args, wrt) -> Problem:
     pure_outputs = {v for v in out_nodes if v is not None and v > 0 and v not in sinks}
     eliminable = tuple(v for v in range(1, n + 1) if v not in pure_outputs)
     out_avals = tuple(program.aval(a) for a in program.outvars)
-    out_values = tuple(read(a) for a in program.outvars)
+    out_values = tuple(read(a, args, values) for a in program.outvars)
     return Problem(program, graph, wrt, tuple(outputs), eliminable, out_avals, out_values)
 
 

@@ -144,19 +144,20 @@ def bind(eqn: FlatEqn, *args):
     return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
 
 
+def read(atom, args, values):
+    """The value of an atom, given the flat inputs ``args`` and the vertex ``values``."""
+    if isinstance(atom, Input):
+        return args[atom.index]
+    if isinstance(atom, Const):
+        return atom.value
+    return values[atom]
+
+
 def evaluate(program: FlatProgram, args) -> dict:
     """Run ``program`` on flat ``args``; return the value of every vertex (number -> array)."""
     values: dict = {}
-
-    def read(atom):
-        if isinstance(atom, Input):
-            return args[atom.index]
-        if isinstance(atom, Const):
-            return atom.value
-        return values[atom]
-
     for eqn in program.eqns:
-        outs = bind(eqn, *(read(a) for a in eqn.invars))
+        outs = bind(eqn, *(read(a, args, values) for a in eqn.invars))
         if not eqn.primitive.multiple_results:
             outs = (outs,)
         values.update(zip(eqn.outvars, outs))

@@ -162,6 +162,10 @@ def _broadcast(sa, sb):
         return None
 
 
+class _TooBig(Exception):
+    """An operation would make a value larger than :data:`MAX_SIZE` or :data:`MAX_RANK` allow."""
+
+
 class _Builder:
     """Accumulates the lines of one program."""
 
@@ -178,7 +182,8 @@ class _Builder:
 
     def add(self, expr: str, shape, kind="f", bound=1.0, tag="") -> Var:
         shape = tuple(int(n) for n in shape)
-        assert _fits(shape), (expr, shape)
+        if not _fits(shape):
+            raise _TooBig(expr)
         var = Var(self.fresh(), shape, kind, float(bound))
         self.vars.append(var)
         self.lines.append(f"{var.name} = {expr}")
@@ -187,9 +192,10 @@ class _Builder:
 
     def add_pair(self, expr: str, shapes, bounds, tag="") -> None:
         """A line that defines two values, ``va, vb = expr``."""
+        if not all(_fits(tuple(shape)) for shape in shapes):
+            raise _TooBig(expr)
         names = [f"v{len(self.vars)}", f"v{len(self.vars) + 1}"]
         for name, shape, bound in zip(names, shapes, bounds):
-            assert _fits(tuple(shape)), (expr, shape)
             self.vars.append(Var(name, tuple(shape), "f", float(bound)))
         self.lines.append(f"{names[0]}, {names[1]} = {expr}")
         self.tags.append(tag)
@@ -1034,7 +1040,10 @@ def generate(seed: int, attempt: int = 0, max_ops: int = 25) -> Case:
     ops, weights = zip(*OPS)
     while len(b.lines) < n_ops:
         op = rng.choices(ops, weights)[0]
-        op(b)
+        try:
+            op(b)
+        except _TooBig:
+            pass  # another operation instead
     ret = _outputs(b, n_inputs)
     has_aux = rng.random() < 0.15
     if has_aux:
