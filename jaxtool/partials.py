@@ -262,11 +262,6 @@ class Linear(Partial):
         rows = jax.vmap(self.apply_t)(basis)  # (n_out,) + in_shape
         return rows.reshape(self.shape)
 
-    def dense_cost(self) -> Cost:
-        n_in, n_out = _size(self.in_shape), _size(self.out_shape)
-        apps = min(n_in, n_out)
-        return Cost(apps * (self.flops + (n_out if self.has_scale else 0)), 0)
-
 
 # --------------------------------------------------------------------------------------------
 # Products
