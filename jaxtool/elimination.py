@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxtool.errors import UnsupportedError, UsageError
 from jaxtool.graph import Const, FlatProgram, Input, evaluate, flatten, read
-from jaxtool.partials import Cost, Partial, Sparse, add, matmul
+from jaxtool.partials import Cost, Partial, Sparse, add, matmul, reshaped
 from jaxtool.rules import is_differentiable, partials_of
 
 
@@ -207,7 +207,7 @@ def blocks(problem: Problem) -> list:
             if partial is None:
                 row.append(jnp.zeros(shape, dtype))
             else:
-                row.append(partial.to_dense().astype(dtype).reshape(shape))
+                row.append(reshaped(partial.to_dense().astype(dtype), shape))
         result.append(row)
     return result
 

@@ -27,8 +27,9 @@ executes them on values.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -53,6 +54,12 @@ class Cost:
 
 def _size(shape) -> int:
     return int(math.prod(shape))
+
+
+def reshaped(v, shape):
+    """``v.reshape(shape)``, or ``v`` itself when it has that shape (no equation is traced)."""
+    shape = tuple(shape)
+    return v if tuple(v.shape) == shape else v.reshape(shape)
 
 
 class Partial:
@@ -87,9 +94,9 @@ class Sparse(Partial):
         """The elementwise partial ``d * t`` for values of ``shape`` (``d`` broadcastable to it)."""
         shape = tuple(shape)
         d = jnp.asarray(d, dtype=dtype)
-        d = d.reshape((1,) * (len(shape) - d.ndim) + d.shape)
+        d = reshaped(d, (1,) * (len(shape) - d.ndim) + d.shape)
         val_shape = tuple(1 if s == 1 else n for s, n in zip(d.shape, shape))
-        d = d.reshape(val_shape) if d.shape != val_shape else d
+        d = reshaped(d, val_shape)
         return Sparse(shape, shape, tuple(range(len(shape))), val_shape, d.dtype, d)
 
     @staticmethod
@@ -119,10 +126,15 @@ class Sparse(Partial):
         assert all(self.out_shape[k] == self.in_shape[p] for k, p in enumerate(self.pairs) if p is not None)
 
     # -- structure ----------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def unpaired_in(self) -> tuple:
         paired = set(p for p in self.pairs if p is not None)
         return tuple(j for j in range(len(self.in_shape)) if j not in paired)
+
+    @property
+    def key(self) -> tuple:
+        """The structure (every field but the values): equal keys, equal plans."""
+        return (self.out_shape, self.in_shape, self.pairs, self.val_shape, self.dtype, None, self.unit)
 
     @property
     def full_val_shape(self) -> tuple:
@@ -143,7 +155,7 @@ class Sparse(Partial):
         return 0 if self.unit else _size(self.val_shape)
 
     def plan(self) -> "Sparse":
-        return self if self.unit else replace(self, val=None)
+        return self if self.val is None else replace(self, val=None)
 
     def values(self):
         """The stored values (ones for a unit partial)."""
@@ -174,7 +186,7 @@ class Sparse(Partial):
         if not self.abstract:
             v = self.values()
             # move stored in-axes into their new slots, then multiply by the deltas
-            expanded = v.reshape(v.shape[:nout] + tuple(
+            expanded = reshaped(v, v.shape[:nout] + tuple(
                 v.shape[nout + old_unpaired.index(j)] if j in old_unpaired else 1 for j in new_unpaired))
             for k in out_axes:
                 n = self.out_shape[k]
@@ -207,6 +219,10 @@ class Linear(Partial):
     selection: bool = False  # each output element is zero or exactly one input element
     flops: int = 0  # multiplications per application of fn
     opaque: bool = False  # derivative from JAX's own AD of a whole equation
+    #: for a selection known at trace time: per output element, the flat input index ``fn`` copies,
+    #: or -1 for zero (``fn`` itself carries no multiplier). Products, sums and densification of such
+    #: maps are then index arithmetic in NumPy, with nothing traced.
+    index: Optional[np.ndarray] = field(default=None, compare=False)
 
     @property
     def abstract(self) -> bool:
@@ -217,7 +233,7 @@ class Linear(Partial):
         return _size(self.out_shape) if self.has_scale else 0
 
     def plan(self) -> "Linear":
-        return replace(self, fn=None, fn_t=None, scale=None)
+        return self if self.abstract and self.scale is None else replace(self, fn=None, fn_t=None, scale=None)
 
     def _in_struct(self):
         return jax.ShapeDtypeStruct(self.in_shape, self.dtype)
@@ -253,6 +269,12 @@ class Linear(Partial):
     def to_dense(self):
         """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""
         n_in, n_out = _size(self.in_shape), _size(self.out_shape)
+        if self.index is not None:
+            one_hot = self.index.reshape(n_out, 1) == np.arange(n_in)
+            dense = jnp.asarray(one_hot.reshape(self.shape), self.dtype)
+            if self.has_scale:
+                dense = dense * reshaped(self.scale, np.shape(self.scale) + (1,) * len(self.in_shape))
+            return dense
         use_forward = n_in <= n_out if (self.fn is not None and self.fn_t is not None) else self.fn is not None
         if use_forward:
             basis = jnp.eye(n_in, dtype=self.dtype).reshape((n_in,) + self.in_shape)
@@ -271,6 +293,22 @@ def _result_dtype(a: Partial, b: Partial):
     return np.result_type(a.dtype, b.dtype)
 
 
+def _compose_index(outer: np.ndarray, inner: np.ndarray) -> np.ndarray:
+    """Index of ``outer o inner`` for two selections given by their indices (-1: zero)."""
+    flat = inner.reshape(-1)
+    if flat.size == 0:  # nothing to select from (zero-size values)
+        return np.full(outer.shape, -1)
+    return np.where(outer >= 0, flat[np.maximum(outer, 0)], -1)
+
+
+def _transposed_index(index: Optional[np.ndarray], in_shape, pairs) -> Optional[np.ndarray]:
+    """Index of ``t -> selection(transpose(t, pairs))`` where ``selection`` reads a transposed ``in_shape``."""
+    if index is None:
+        return None
+    flat = np.transpose(np.arange(_size(in_shape)).reshape(in_shape), pairs)
+    return _compose_index(index, flat)
+
+
 def matmul(b: Partial, a: Partial) -> tuple[Partial, Cost]:
     """The partial of ``u -> w`` through ``v``: ``b o a`` for ``a: u -> v`` and ``b: v -> w``."""
     assert tuple(a.out_shape) == tuple(b.in_shape), (a.out_shape, b.in_shape)
@@ -284,6 +322,44 @@ def matmul(b: Partial, a: Partial) -> tuple[Partial, Cost]:
 
 
 def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
+    plan = _product_plan(b.key, a.key)
+    if plan.unit:
+        return Sparse(b.out_shape, a.in_shape, plan.pairs, plan.val_shape, plan.dtype, None, True), plan.cost
+    result = Sparse(b.out_shape, a.in_shape, plan.pairs, plan.val_shape, plan.dtype)
+    if a.abstract or b.abstract:
+        return result, plan.cost
+    operands = []
+    for part, keep in ((b, plan.b_keep), (a, plan.a_keep)):
+        if keep is not None:
+            v = part.val
+            operands.append(reshaped(v, tuple(v.shape[n] for n in keep)))
+    val = _contract(operands, plan.specs, plan.out_spec, plan.loop, plan.dtype)
+    if plan.factor != 1:
+        val = val * jnp.asarray(plan.factor, plan.dtype)
+    return replace(result, val=reshaped(val.astype(plan.dtype), plan.val_shape)), plan.cost
+
+
+@dataclass(frozen=True)
+class _ProductPlan:
+    """Structure and cost of ``b o a`` for two Sparse partials, and how to compute its values."""
+
+    pairs: tuple
+    val_shape: tuple
+    dtype: np.dtype
+    unit: bool
+    cost: Cost
+    factor: int  # contracted size over which neither operand stores values
+    b_keep: Optional[tuple]  # stored axes of b's values taken into the contraction (None: b is unit)
+    a_keep: Optional[tuple]
+    specs: tuple  # einsum-style letters of the operands (b first), then of the result
+    out_spec: str
+    loop: int  # scalar multiplications of the contraction
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _product_plan(b_key: tuple, a_key: tuple) -> _ProductPlan:
+    """The plan of ``b o a`` from the operands' :attr:`Sparse.key` (cached: orders re-cost products)."""
+    b, a = Sparse(*b_key), Sparse(*a_key)
     nw, nv, nu = len(b.out_shape), len(a.out_shape), len(a.in_shape)
     # union-find over axes ('w', i), ('v', k), ('u', j): pairings are Kronecker deltas
     parent: dict = {}
@@ -327,37 +403,26 @@ def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
     contracted = (set(a_axes) | set(b_axes)) - set(c_axes)
     factor = _size(size[c] for c in contracted if c not in present)
     val_shape = tuple(size[c] if c in present else 1 for c in c_axes)
-    dtype = _result_dtype(a, b)
+    dtype = np.dtype(_result_dtype(a, b))
 
     loop = _size(size[c] for c in present)
     out_size = _size(val_shape)
     both = not a.unit and not b.unit
     mults = (loop if both else 0) + (out_size if factor != 1 else 0)
     adds = loop - out_size if present & contracted else 0
-    cost = Cost(mults, adds)
-
-    unit = a.unit and b.unit and factor == 1
-    if unit:
-        return Sparse(b.out_shape, a.in_shape, tuple(pairs), val_shape, np.dtype(dtype), None, True), cost
-    result = Sparse(b.out_shape, a.in_shape, tuple(pairs), val_shape, np.dtype(dtype))
-    if a.abstract or b.abstract:
-        return result, cost
 
     letters = {c: chr(ord("a") + n) for n, c in enumerate(dict.fromkeys(a_axes + b_axes + c_axes))}
-    operands, specs = [], []
+    keeps, specs = [], []
     for part, axes, present_axes in ((b, b_axes, b_present), (a, a_axes, a_present)):
         if part.unit:
+            keeps.append(None)
             continue
-        v = part.val
-        keep = [n for n, c in enumerate(axes) if c in present_axes]
-        v = v.reshape(tuple(v.shape[n] for n in keep))
-        operands.append(v)
+        keep = tuple(n for n, c in enumerate(axes) if c in present_axes)
+        keeps.append(keep)
         specs.append("".join(letters[axes[n]] for n in keep))
     out_spec = "".join(letters[c] for c in c_axes if c in present)
-    val = _contract(operands, specs, out_spec, loop, dtype)
-    if factor != 1:
-        val = val * jnp.asarray(factor, dtype)
-    return replace(result, val=val.astype(dtype).reshape(val_shape)), cost
+    return _ProductPlan(tuple(pairs), val_shape, dtype, a.unit and b.unit and factor == 1, Cost(mults, adds),
+                        factor, keeps[0], keeps[1], tuple(specs), out_spec, loop)
 
 
 #: Products with at most this many scalar multiplications are written as broadcast-multiply-sum, which
@@ -366,24 +431,50 @@ SMALL_CONTRACTION = 64
 
 
 def _contract(operands, specs, out_spec, loop, dtype):
-    """``einsum(specs -> out_spec)`` of zero, one or two operands, fusible when small."""
+    """``einsum(specs -> out_spec)`` of zero, one or two operands, fusible when small.
+
+    Every letter of ``out_spec`` occurs in some operand. Written with ``lax`` directly: tracing
+    ``jnp.einsum`` costs far more, and a Jacobian may take thousands of these products.
+    """
     if not operands:
         return jnp.ones((), dtype)
-    if len(operands) == 1 or loop > SMALL_CONTRACTION:
-        return jnp.einsum(",".join(specs) + "->" + out_spec, *operands, precision=HIGHEST,
-                          preferred_element_type=dtype)
+    operands = [v.astype(dtype) if v.dtype != dtype else v for v in operands]
+    if len(operands) == 2 and loop > SMALL_CONTRACTION:
+        return _dot(operands, specs, out_spec, dtype)
     summed = "".join(dict.fromkeys(l for spec in specs for l in spec if l not in out_spec))
     order = out_spec + summed
     product = None
     for v, spec in zip(operands, specs):
         perm = sorted(range(len(spec)), key=lambda n: order.index(spec[n]))
-        v = jnp.transpose(v, perm) if perm != list(range(len(spec))) else v
+        v = lax.transpose(v, perm) if perm != list(range(len(spec))) else v
         sizes = dict(zip((spec[n] for n in perm), v.shape))
-        v = v.reshape(tuple(sizes.get(l, 1) for l in order)).astype(dtype)
+        v = reshaped(v, tuple(sizes.get(l, 1) for l in order))
         product = v if product is None else product * v
     if summed:
         product = product.sum(axis=tuple(range(len(out_spec), len(order))))
     return product
+
+
+def _dot(operands, specs, out_spec, dtype):
+    """``einsum`` of two operands as one ``dot_general``, then a transpose into ``out_spec`` order."""
+    (x, y), (sx, sy) = operands, specs
+    # a letter only one operand has and the result lacks is summed out first
+    for which in (0, 1):
+        v, s, other = (x, sx, sy) if which == 0 else (y, sy, sx)
+        lone = [n for n, l in enumerate(s) if l not in other and l not in out_spec]
+        if lone:
+            v = v.sum(axis=tuple(lone))
+            s = "".join(l for n, l in enumerate(s) if n not in lone)
+            x, sx = (v, s) if which == 0 else (x, sx)
+            y, sy = (v, s) if which == 1 else (y, sy)
+    batch = [l for l in sx if l in sy and l in out_spec]
+    contract = [l for l in sx if l in sy and l not in out_spec]
+    dims = (((tuple(sx.index(l) for l in contract)), tuple(sy.index(l) for l in contract)),
+            (tuple(sx.index(l) for l in batch), tuple(sy.index(l) for l in batch)))
+    result = lax.dot_general(x, y, dims, precision=HIGHEST, preferred_element_type=dtype)
+    spec = "".join(batch) + "".join(l for l in sx if l not in sy) + "".join(l for l in sy if l not in sx)
+    perm = tuple(spec.index(l) for l in out_spec)
+    return lax.transpose(result, perm) if perm != tuple(range(len(perm))) else result
 
 
 def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
@@ -395,9 +486,10 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
     cost = Cost((n_out if push and b.has_scale else 0), 0)
     if embed:
         flops += _size(a.out_shape)
+    index = None if embed or a.index is None or b.index is None else _compose_index(b.index, a.index)
     result = Linear(b.out_shape, a.in_shape, dtype, has_scale=b.has_scale or push,
                     selection=a.selection and b.selection and not embed, flops=flops,
-                    opaque=a.opaque or b.opaque)
+                    opaque=a.opaque or b.opaque, index=index)
     if a.abstract or b.abstract:
         return result, cost
     fa, fb = a.forward(), b.forward()
@@ -440,8 +532,9 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         # b(x) = val * transpose(x): stays a Linear with a (transposed) scale
         both = a.has_scale and not b.unit
         cost = Cost(_size(b.out_shape) if both else 0, 0)
+        index = None if a.index is None else np.transpose(a.index, b.pairs)
         result = Linear(b.out_shape, a.in_shape, dtype, has_scale=a.has_scale or not b.unit,
-                        selection=a.selection, flops=a.flops, opaque=a.opaque)
+                        selection=a.selection, flops=a.flops, opaque=a.opaque, index=index)
         if a.abstract or b.abstract:
             return result, cost
         tr, untr = _transposer(b.pairs), _untransposer(b.pairs)
@@ -463,8 +556,35 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
     if a.abstract or rows.abstract:
         return result, cost
     block = jnp.broadcast_to(rows.values(), tuple(row_shape) + tuple(a.out_shape)).reshape((n_rows,) + a.out_shape)
-    pulled = jax.vmap(a.apply_t)(block.astype(a.dtype))
-    return replace(result, val=pulled.reshape(val_shape).astype(dtype)), cost
+    if a.index is not None:
+        if a.has_scale:
+            block = block * jnp.broadcast_to(a.scale, a.out_shape).astype(dtype)
+        pulled = _scatter_columns(block.reshape(n_rows, -1).astype(dtype), a.index.reshape(-1), _size(a.in_shape))
+    else:
+        pulled = jax.vmap(a.apply_t)(block.astype(a.dtype))
+    return replace(result, val=reshaped(pulled, val_shape).astype(dtype)), cost
+
+
+def _scatter_columns(rows, index: np.ndarray, n: int):
+    """``out[:, u] = sum of rows[:, v] over the v with index[v] == u`` (-1: dropped); ``out`` is ``(len(rows), n)``."""
+    picked = np.flatnonzero(index >= 0)
+    targets = index[picked]
+    if len(np.unique(targets)) == len(targets):  # each column read at most once: a gather
+        source = np.full(n, -1)
+        source[targets] = picked
+        return _take_or_zero(rows, source, axis=1)
+    return jnp.zeros((rows.shape[0], n), rows.dtype).at[:, targets].add(rows[:, picked])
+
+
+def _take_or_zero(x, index: np.ndarray, axis: int):
+    """``x`` taken at ``index`` along ``axis``, zero where ``index`` is -1."""
+    if not (index >= 0).any():
+        return jnp.zeros(x.shape[:axis] + index.shape + x.shape[axis + 1:], x.dtype)
+    taken = jnp.take(x, np.maximum(index, 0), axis=axis)
+    if (index >= 0).all():
+        return taken
+    mask = (index >= 0).reshape((-1,) + (1,) * (x.ndim - 1 - axis))
+    return jnp.where(mask, taken, jnp.zeros((), x.dtype))
 
 
 def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
@@ -476,8 +596,9 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
         embed = not a.unit and not b.selection
         cost = Cost(_size(b.out_shape) if push and b.has_scale else 0, 0)
         flops = b.flops + (_size(a.out_shape) if embed else 0)
+        index = None if embed else _transposed_index(b.index, a.in_shape, a.pairs)
         result = Linear(b.out_shape, a.in_shape, dtype, has_scale=b.has_scale or push,
-                        selection=b.selection and not embed, flops=flops, opaque=b.opaque)
+                        selection=b.selection and not embed, flops=flops, opaque=b.opaque, index=index)
         if a.abstract or b.abstract:
             return result, cost
         tr, untr = _transposer(a.pairs), _untransposer(a.pairs)
@@ -504,9 +625,15 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
     if b.abstract or cols.abstract:
         return result, cost
     block = jnp.broadcast_to(cols.values(), tuple(a.out_shape) + tuple(col_shape))
+    if b.index is not None:
+        taken = _take_or_zero(block.reshape(-1, n_cols).astype(dtype), b.index.reshape(-1), axis=0)
+        val = taken.reshape(val_shape)
+        if b.has_scale:
+            val = val * reshaped(jnp.broadcast_to(b.scale, b.out_shape), tuple(b.out_shape) + (1,) * len(col_shape))
+        return replace(result, val=val.astype(dtype)), cost
     block = jnp.moveaxis(block.reshape(tuple(a.out_shape) + (n_cols,)), -1, 0)
     pushed = jax.vmap(b.apply)(block.astype(b.dtype))  # (n_cols,) + w
-    val = jnp.moveaxis(pushed, 0, -1).reshape(val_shape)
+    val = reshaped(jnp.moveaxis(pushed, 0, -1), val_shape)
     return replace(result, val=val.astype(dtype)), cost
 
 
@@ -535,26 +662,59 @@ def linear_to_sparse(x: Linear) -> Sparse:
 
 
 def _sparse_add(x: Sparse, y: Sparse) -> tuple[Sparse, Cost]:
+    common, val_shape, dtype, cost = _sum_plan(x.key, y.key)
+    result = Sparse(x.out_shape, x.in_shape, common, val_shape, dtype)
+    if x.abstract or y.abstract:
+        return result, cost
+    unpaired = [k for k, p in enumerate(common) if p is None]
+    x, y = x.unpair(unpaired), y.unpair(unpaired)
+    return replace(result, val=(x.values().astype(dtype) + y.values().astype(dtype))), cost
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _sum_plan(x_key: tuple, y_key: tuple) -> tuple:
+    """Pairs, value shape, dtype and cost of the sum of two Sparse partials, from their keys."""
+    x, y = Sparse(*x_key[:-1], False), Sparse(*y_key[:-1], False)  # structure only, no values
     common = tuple(p if p == q else None for p, q in zip(x.pairs, y.pairs))
     x = x.unpair([k for k, p in enumerate(common) if p is None])
     y = y.unpair([k for k, p in enumerate(common) if p is None])
     val_shape = tuple(max(s, t) for s, t in zip(x.val_shape, y.val_shape))
-    dtype = np.dtype(_result_dtype(x, y))
-    cost = Cost(0, _size(val_shape))
-    result = Sparse(x.out_shape, x.in_shape, common, val_shape, dtype)
-    if x.abstract or y.abstract:
-        return result, cost
-    return replace(result, val=(x.values().astype(dtype) + y.values().astype(dtype))), cost
+    return common, val_shape, np.dtype(_result_dtype(x, y)), Cost(0, _size(val_shape))
 
 
 def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
     n_out = _size(x.out_shape)
     dtype = np.dtype(_result_dtype(x, y))
+    cost = Cost(0, n_out)
+    if x.index is not None and y.index is not None and not ((x.index >= 0) & (y.index >= 0)).any():
+        return _disjoint_selections_add(x, y, dtype), cost
     result = Linear(x.out_shape, x.in_shape, dtype, selection=False,
                     flops=x.flops + y.flops + (n_out if x.has_scale else 0) + (n_out if y.has_scale else 0),
                     opaque=x.opaque or y.opaque)
     if x.abstract or y.abstract:
-        return result, Cost(0, n_out)
+        return result, cost
     fn = lambda t: x.apply(t) + y.apply(t)  # noqa: E731
     fn_t = lambda c: x.apply_t(c) + y.apply_t(c)  # noqa: E731
-    return replace(result, fn=fn, fn_t=fn_t), Cost(0, n_out)
+    return replace(result, fn=fn, fn_t=fn_t), cost
+
+
+def _disjoint_selections_add(x: Linear, y: Linear, dtype) -> Linear:
+    """The sum of two selections that never select into the same output element: a selection whose
+    scale (if any) is each operand's scale where that operand selects."""
+    has_scale = x.has_scale or y.has_scale
+    result = Linear(x.out_shape, x.in_shape, dtype, has_scale=has_scale, selection=True,
+                    index=np.where(x.index >= 0, x.index, y.index))
+    if x.abstract or y.abstract:
+        return result
+    fx, fy = x.forward(), y.forward()
+    fn = lambda t: fx(t) + fy(t)  # noqa: E731
+    fn_t = None
+    if x.fn_t is not None and y.fn_t is not None:
+        fn_t = lambda c: x.fn_t(c) + y.fn_t(c)  # noqa: E731
+    scale = None
+    if has_scale:
+        def full(part):
+            return jnp.broadcast_to(part.scale if part.has_scale else jnp.ones((), dtype), part.out_shape).astype(dtype)
+
+        scale = jnp.where(x.index >= 0, full(x), full(y))
+    return replace(result, fn=fn, fn_t=fn_t, scale=scale)

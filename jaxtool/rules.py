@@ -26,7 +26,7 @@ from jax.extend.core import primitives as P
 from jaxtool._compat import split_p
 from jaxtool.errors import UnsupportedError
 from jaxtool.graph import FlatEqn, bind
-from jaxtool.partials import Linear, Sparse
+from jaxtool.partials import Linear, Sparse, reshaped
 
 Rule = Callable  # (eqn, invals, outvals, wrt) -> list[(int, int, Partial)]
 RULES: dict = {}
@@ -114,8 +114,8 @@ def _operand_partial(x_shape, out_shape, d, dtype) -> Sparse:
     if d is None:
         return Sparse.structural(out_shape, x_shape, pairs, dtype)
     d = jnp.asarray(d)
-    d = d.reshape((1,) * (len(out_shape) - d.ndim) + d.shape)
-    d = d.reshape(tuple(1 if s == 1 else n for s, n in zip(d.shape, out_shape)) + (1,) * len(unpaired))
+    d = reshaped(d, (1,) * (len(out_shape) - d.ndim) + d.shape)
+    d = reshaped(d, tuple(1 if s == 1 else n for s, n in zip(d.shape, out_shape)) + (1,) * len(unpaired))
     return Sparse(out_shape, x_shape, pairs, d.shape, np.dtype(d.dtype), d)
 
 
@@ -220,7 +220,7 @@ def reshape(eqn, invals, outvals, wrt):
         for j, k in zip(big_x, big_y):
             pairs[k] = j
         return [(0, 0, Sparse.structural(ys, xs, pairs, jax.typeof(y).dtype))]
-    return selection(eqn, invals, outvals, wrt)
+    return linear_selection(eqn, invals, outvals, wrt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,9 +293,9 @@ def dot_general(eqn, invals, outvals, wrt):
         nb, nf = len(other_b), len(other_free)
         ones = (1,) * len(my_free)
         if mine_first:
-            v = v.reshape(v.shape[:nb] + ones + v.shape[nb:])
+            v = reshaped(v, v.shape[:nb] + ones + v.shape[nb:])
         else:
-            v = v.reshape(v.shape[:nb + nf] + ones + v.shape[nb + nf:])
+            v = reshaped(v, v.shape[:nb + nf] + ones + v.shape[nb + nf:])
         v = v.astype(dtype)
         result.append((i, 0, Sparse(_shape(y), _shape(me), tuple(pairs), tuple(v.shape), np.dtype(dtype), v)))
     return result
@@ -311,13 +311,112 @@ def _linear_from_jvp(eqn, invals, outvals, i, k, *, selection, flops, opaque):
                   fn=lambda t: _jvp_at(eqn, invals, i, t)[k], selection=selection, flops=flops, opaque=opaque)
 
 
-SELECTION = [P.slice_p, P.pad_p, P.concatenate_p, P.rev_p, P.gather_p, P.dynamic_slice_p,
-             P.dynamic_update_slice_p, split_p, P.reduce_window_max_p, P.reduce_window_min_p]
+def _linear_by_bind(eqn, invals, outvals, i, k):
+    """For a primitive linear in its floating-point operands jointly: the map ``t -> eqn(t)`` with
+    the other floating-point operands zero (integer operands, such as indices, kept)."""
+    params = dict(eqn.params)
+    if params.get("fill_value") is not None:
+        params["fill_value"] = 0  # gather's out-of-bounds fill is a constant: its tangent is zero
+
+    def fn(t):
+        args = [t if j == i else (jnp.zeros_like(x) if is_differentiable(jax.typeof(x)) else x)
+                for j, x in enumerate(invals)]
+        out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
+        return out[k] if eqn.primitive.multiple_results else out
+
+    y = outvals[k]
+    return Linear(_shape(y), _shape(invals[i]), np.dtype(jax.typeof(y).dtype), fn=fn, selection=True,
+                  index=_selection_index(eqn, invals, i, k))
 
 
-@register(*SELECTION)
+def _selection_index(eqn, invals, i, k):
+    """Per output element of result ``k``, the flat index of the element of operand ``i`` it copies
+    (-1: none), computed in NumPy by running the primitive on element numbers; ``None`` where that
+    needs a traced integer operand or the primitive has no NumPy form here."""
+    rule = SELECTION_INDEX.get(eqn.primitive)
+    if rule is None:
+        return None
+    ops = []
+    for j, x in enumerate(invals):
+        shape = _shape(x)
+        if j == i:
+            ops.append(np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape))
+        elif is_differentiable(jax.typeof(x)):
+            ops.append(np.full(shape, -1, np.int64))
+        else:
+            try:
+                ops.append(np.asarray(x))
+            except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+                return None
+    out = rule(*ops, **eqn.params)
+    if out is None:
+        return None
+    return np.asarray(out[k] if eqn.primitive.multiple_results else out)
+
+
+def _np_pad(x, value, *, padding_config):
+    for axis, (lo, hi, interior) in enumerate(padding_config):
+        n = x.shape[axis]
+        if interior and n > 1:
+            grown = np.full(x.shape[:axis] + (n + (n - 1) * interior,) + x.shape[axis + 1:], value, x.dtype)
+            index = [slice(None)] * x.ndim
+            index[axis] = slice(None, None, interior + 1)
+            grown[tuple(index)] = x
+            x = grown
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (max(lo, 0), max(hi, 0))
+        x = np.pad(x, widths, constant_values=value)
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(-min(lo, 0), x.shape[axis] + min(hi, 0))
+        x = x[tuple(index)]
+    return x
+
+
+def _np_start(starts, x_shape, sizes):
+    """``dynamic_slice``'s start indices, clamped into range as XLA clamps them."""
+    return [int(np.clip(s, 0, n - m)) for s, n, m in zip(starts, x_shape, sizes)]
+
+
+def _np_dynamic_update_slice(x, update, *starts):
+    starts = _np_start(starts, x.shape, update.shape)
+    x = x.copy()
+    x[tuple(slice(s, s + m) for s, m in zip(starts, update.shape))] = update
+    return x
+
+
+def _np_dynamic_slice(x, *starts, slice_sizes):
+    starts = _np_start(starts, x.shape, slice_sizes)
+    return x[tuple(slice(s, s + m) for s, m in zip(starts, slice_sizes))]
+
+
+#: NumPy forms of the linear selection primitives, evaluated on element numbers (see ``_selection_index``)
+SELECTION_INDEX = {
+    P.slice_p: lambda x, *, start_indices, limit_indices, strides: x[tuple(
+        slice(a, b, c) for a, b, c in zip(start_indices, limit_indices, strides or (1,) * x.ndim))],
+    P.rev_p: lambda x, *, dimensions: np.flip(x, dimensions),
+    P.reshape_p: lambda x, *, new_sizes, dimensions, **_: None if dimensions else x.reshape(new_sizes),
+    P.concatenate_p: lambda *xs, dimension: np.concatenate(xs, dimension),
+    P.pad_p: _np_pad,
+    split_p: lambda x, *, sizes, axis: np.split(x, np.cumsum(sizes)[:-1], axis),
+    P.dynamic_slice_p: _np_dynamic_slice,
+    P.dynamic_update_slice_p: lambda x, update, *starts, **_: _np_dynamic_update_slice(x, update, *starts),
+}
+
+
+#: linear in their floating-point operands: the partial is the primitive itself, applied to a tangent
+LINEAR_SELECTION = [P.slice_p, P.pad_p, P.concatenate_p, P.rev_p, P.gather_p, P.dynamic_slice_p,
+                    P.dynamic_update_slice_p, split_p]
+
+
+@register(*LINEAR_SELECTION)
+def linear_selection(eqn, invals, outvals, wrt):
+    """Every output element is zero or one input element, the same for any values: zero multiplications."""
+    return [(i, k, _linear_by_bind(eqn, invals, outvals, i, k)) for i in wrt for k in _float_outputs(outvals)]
+
+
+@register(P.reduce_window_max_p, P.reduce_window_min_p)
 def selection(eqn, invals, outvals, wrt):
-    """Every output element is zero or one input element: zero multiplications."""
+    """Every output element is one input element, chosen by the values: zero multiplications."""
     return [(i, k, _linear_from_jvp(eqn, invals, outvals, i, k, selection=True, flops=0, opaque=False))
             for i in wrt for k in _float_outputs(outvals)]
 
