@@ -467,13 +467,18 @@ def _dot(operands, specs, out_spec, dtype):
             s = "".join(l for n, l in enumerate(s) if n not in lone)
             x, sx = (v, s) if which == 0 else (x, sx)
             y, sy = (v, s) if which == 1 else (y, sy)
-    batch = [l for l in sx if l in sy and l in out_spec]
+    batch = [l for l in out_spec if l in sx and l in sy]
     contract = [l for l in sx if l in sy and l not in out_spec]
+    # dot_general lays its result out as (batch, free axes of its first operand, of its second):
+    # take the operands in the order that needs no transpose afterwards, if there is one
+    free_x, free_y = "".join(l for l in sx if l not in sy), "".join(l for l in sy if l not in sx)
+    if "".join(batch) + free_y + free_x == out_spec:
+        (x, sx), (y, sy) = (y, sy), (x, sx)
+        free_x, free_y = free_y, free_x
     dims = (((tuple(sx.index(l) for l in contract)), tuple(sy.index(l) for l in contract)),
             (tuple(sx.index(l) for l in batch), tuple(sy.index(l) for l in batch)))
     result = lax.dot_general(x, y, dims, precision=HIGHEST, preferred_element_type=dtype)
-    spec = "".join(batch) + "".join(l for l in sx if l not in sy) + "".join(l for l in sy if l not in sx)
-    perm = tuple(spec.index(l) for l in out_spec)
+    perm = tuple(("".join(batch) + free_x + free_y).index(l) for l in out_spec)
     return lax.transpose(result, perm) if perm != tuple(range(len(perm))) else result
 
 
