@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxtool.errors import UnsupportedError, UsageError
 from jaxtool.graph import Const, FlatProgram, Input, evaluate, flatten, read
 from jaxtool.partials import Cost, Partial, Sparse, add, matmul, reshaped
-from jaxtool.rules import is_differentiable, partials_of
+from jaxtool.rules import cuts_derivative, is_differentiable, partials_of
 
 
 def input_node(index: int) -> int:
@@ -145,7 +145,7 @@ def build(program: FlatProgram, args, wrt) -> Problem:
     out_nodes = [_node(a) for a in program.outvars]
     useful = {v for v in out_nodes if v is not None}
     for eqn in reversed(program.eqns):
-        if any(v in useful for v in eqn.outvars):
+        if any(v in useful for v in eqn.outvars) and not cuts_derivative(eqn):
             useful.update(_node(a) for a in eqn.invars if _node(a) is not None)
     live = active & useful
 

@@ -163,6 +163,11 @@ def no_derivative(eqn, invals, outvals, wrt):
     return []
 
 
+def cuts_derivative(eqn: FlatEqn) -> bool:
+    """Whether no derivative flows through ``eqn`` whatever its operands (``stop_gradient``)."""
+    return RULES.get(eqn.primitive) is no_derivative
+
+
 # --------------------------------------------------------------------------------------------
 # structural ops with a 0/1 pairing: zero multiplications
 
