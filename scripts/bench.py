@@ -59,7 +59,7 @@ GRAPHAX_MULS = {
 #: graphax with a size-weighted greedy Markowitz order (same file, note below that table)
 GRAPHAX_WEIGHTED_MARKOWITZ_MULS = {"perceptron": 602, "encoder": 4690}
 
-FULL = {"rounds": 7, "calls": 50, "batch": 1024, "batch_calls": 10, "first_calls": 2}
+FULL = {"rounds": 15, "calls": 50, "batch": 1024, "batch_calls": 10, "first_calls": 3}
 QUICK = {"rounds": 2, "calls": 3, "batch": 8, "batch_calls": 2, "first_calls": 1}
 
 #: batched timing: a competitor makes fewer calls per round where --batch-calls would take longer
