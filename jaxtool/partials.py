@@ -564,7 +564,8 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
     if a.index is not None:
         if a.has_scale:
             block = block * jnp.broadcast_to(a.scale, a.out_shape).astype(dtype)
-        pulled = _scatter_columns(block.reshape(n_rows, -1).astype(dtype), a.index.reshape(-1), _size(a.in_shape))
+        pulled = _scatter_columns(block.reshape(n_rows, _size(a.out_shape)).astype(dtype), a.index.reshape(-1),
+                                  _size(a.in_shape))
     else:
         pulled = jax.vmap(a.apply_t)(block.astype(a.dtype))
     return replace(result, val=reshaped(pulled, val_shape).astype(dtype)), cost
@@ -631,7 +632,7 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
         return result, cost
     block = jnp.broadcast_to(cols.values(), tuple(a.out_shape) + tuple(col_shape))
     if b.index is not None:
-        taken = _take_or_zero(block.reshape(-1, n_cols).astype(dtype), b.index.reshape(-1), axis=0)
+        taken = _take_or_zero(block.reshape(_size(a.out_shape), n_cols).astype(dtype), b.index.reshape(-1), axis=0)
         val = taken.reshape(val_shape)
         if b.has_scale:
             val = val * reshaped(jnp.broadcast_to(b.scale, b.out_shape), tuple(b.out_shape) + (1,) * len(col_shape))
