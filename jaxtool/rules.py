@@ -382,7 +382,7 @@ def _np_start(starts, x_shape, sizes):
     return [int(np.clip(s, 0, n - m)) for s, n, m in zip(starts, x_shape, sizes)]
 
 
-def _np_dynamic_update_slice(x, update, *starts):
+def _np_dynamic_update_slice(x, update, *starts, **_):
     starts = _np_start(starts, x.shape, update.shape)
     x = x.copy()
     x[tuple(slice(s, s + m) for s, m in zip(starts, update.shape))] = update
@@ -404,7 +404,7 @@ SELECTION_INDEX = {
     P.pad_p: _np_pad,
     split_p: lambda x, *, sizes, axis: np.split(x, np.cumsum(sizes)[:-1], axis),
     P.dynamic_slice_p: _np_dynamic_slice,
-    P.dynamic_update_slice_p: lambda x, update, *starts, **_: _np_dynamic_update_slice(x, update, *starts),
+    P.dynamic_update_slice_p: _np_dynamic_update_slice,
 }
 
 
