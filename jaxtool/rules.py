@@ -93,7 +93,7 @@ def _float_outputs(outvals):
 # elementwise: diagonal partials, values from a JVP with a tangent of ones
 
 ELEMENTWISE = [
-    P.div_p, P.max_p, P.min_p, P.abs_p, P.sign_p, P.exp_p,
+    P.max_p, P.min_p, P.abs_p, P.sign_p, P.exp_p,
     P.exp2_p, P.expm1_p, P.log_p, P.log1p_p, P.sin_p, P.cos_p, P.tan_p, P.asin_p, P.acos_p,
     P.atan_p, P.atan2_p, P.sinh_p, P.cosh_p, P.tanh_p, P.asinh_p, P.acosh_p, P.atanh_p,
     P.logistic_p, P.sqrt_p, P.rsqrt_p, P.cbrt_p, P.pow_p, P.integer_pow_p, P.square_p, P.erf_p,
@@ -149,6 +149,17 @@ def mul(eqn, invals, outvals, wrt):
     dtype = jax.typeof(outvals[0]).dtype
     return [(i, 0, _operand_partial(_shape(invals[i]), out_shape, jnp.asarray(invals[1 - i], dtype), dtype))
             for i in wrt]
+
+
+@register(P.div_p)
+def div(eqn, invals, outvals, wrt):
+    """``d(x/y)/dx = 1/y`` at the shape of ``y`` (a scalar divisor stays one value), ``d(x/y)/dy = -(x/y)/y``."""
+    x, y = invals
+    out = outvals[0]
+    out_shape = _shape(out)
+    dtype = jax.typeof(out).dtype
+    d = {0: lambda: 1 / y, 1: lambda: -out / y}
+    return [(i, 0, _operand_partial(_shape(invals[i]), out_shape, d[i](), dtype)) for i in wrt]
 
 
 @register(P.convert_element_type_p, P.copy_p)
