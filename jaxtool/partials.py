@@ -59,7 +59,9 @@ def _size(shape) -> int:
 def reshaped(v, shape):
     """``v.reshape(shape)``, or ``v`` itself when it has that shape (no equation is traced)."""
     shape = tuple(shape)
-    return v if tuple(v.shape) == shape else v.reshape(shape)
+    if tuple(v.shape) == shape:
+        return v
+    return v.reshape(shape) if isinstance(v, np.ndarray) else lax.reshape(v, shape)
 
 
 class Partial:
@@ -328,11 +330,9 @@ def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
     result = Sparse(b.out_shape, a.in_shape, plan.pairs, plan.val_shape, plan.dtype)
     if a.abstract or b.abstract:
         return result, plan.cost
-    operands = []
-    for part, keep in ((b, plan.b_keep), (a, plan.a_keep)):
-        if keep is not None:
-            v = part.val
-            operands.append(reshaped(v, tuple(v.shape[n] for n in keep)))
+    # the stored axes a product uses, without the size-1 axes it does not
+    operands = [(part.val, tuple(part.val.shape[n] for n in keep))
+                for part, keep in ((b, plan.b_keep), (a, plan.a_keep)) if keep is not None]
     val = _contract(operands, plan.specs, plan.out_spec, plan.loop, plan.dtype)
     if plan.factor != 1:
         val = val * jnp.asarray(plan.factor, plan.dtype)
@@ -433,26 +433,38 @@ SMALL_CONTRACTION = 64
 def _contract(operands, specs, out_spec, loop, dtype):
     """``einsum(specs -> out_spec)`` of zero, one or two operands, fusible when small.
 
-    Every letter of ``out_spec`` occurs in some operand. Written with ``lax`` directly: tracing
-    ``jnp.einsum`` costs far more, and a Jacobian may take thousands of these products.
+    ``operands`` are ``(array, shape)`` pairs: the array is read at ``shape`` (its own shape without
+    size-1 axes that its spec leaves out). Every letter of ``out_spec`` occurs in some operand.
+    Written with ``lax`` directly: tracing ``jnp.einsum`` (or ``jnp`` broadcasting arithmetic) costs
+    far more, and a Jacobian may take thousands of these products.
     """
     if not operands:
         return jnp.ones((), dtype)
-    operands = [v.astype(dtype) if v.dtype != dtype else v for v in operands]
+    operands = [(v if v.dtype == dtype else v.astype(dtype), shape) for v, shape in operands]
     if len(operands) == 2 and loop > SMALL_CONTRACTION:
-        return _dot(operands, specs, out_spec, dtype)
+        return _dot([reshaped(v, shape) for v, shape in operands], specs, out_spec, dtype)
     summed = "".join(dict.fromkeys(l for spec in specs for l in spec if l not in out_spec))
     order = out_spec + summed
     product = None
-    for v, spec in zip(operands, specs):
+    for (v, shape), spec in zip(operands, specs):
         perm = sorted(range(len(spec)), key=lambda n: order.index(spec[n]))
-        v = lax.transpose(v, perm) if perm != list(range(len(spec))) else v
-        sizes = dict(zip((spec[n] for n in perm), v.shape))
+        sizes = {spec[n]: shape[n] for n in perm}
+        if perm != list(range(len(spec))):
+            v = lax.transpose(reshaped(v, shape), perm)
         v = reshaped(v, tuple(sizes.get(l, 1) for l in order))
-        product = v if product is None else product * v
+        product = v if product is None else _broadcasting(lax.mul, product, v)
     if summed:
-        product = product.sum(axis=tuple(range(len(out_spec), len(order))))
+        product = lax.reduce_sum(product, tuple(range(len(out_spec), len(order))))
     return product
+
+
+def _broadcasting(op, x, y):
+    """``op(x, y)`` for arrays of one rank and dtype whose axes are equal or of size 1 in one of them."""
+    shape = tuple(max(m, n) for m, n in zip(x.shape, y.shape))
+    dims = tuple(range(len(shape)))
+    x = x if x.shape == shape else lax.broadcast_in_dim(x, shape, dims)
+    y = y if y.shape == shape else lax.broadcast_in_dim(y, shape, dims)
+    return op(x, y)
 
 
 def _dot(operands, specs, out_spec, dtype):
@@ -674,7 +686,8 @@ def _sparse_add(x: Sparse, y: Sparse) -> tuple[Sparse, Cost]:
         return result, cost
     unpaired = [k for k, p in enumerate(common) if p is None]
     x, y = x.unpair(unpaired), y.unpair(unpaired)
-    return replace(result, val=(x.values().astype(dtype) + y.values().astype(dtype))), cost
+    xv, yv = (v if v.dtype == dtype else v.astype(dtype) for v in (x.values(), y.values()))
+    return replace(result, val=_broadcasting(lax.add, xv, yv)), cost
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -114,8 +114,8 @@ def _operand_partial(x_shape, out_shape, d, dtype) -> Sparse:
     if d is None:
         return Sparse.structural(out_shape, x_shape, pairs, dtype)
     d = jnp.asarray(d)
-    d = reshaped(d, (1,) * (len(out_shape) - d.ndim) + d.shape)
-    d = reshaped(d, tuple(1 if s == 1 else n for s, n in zip(d.shape, out_shape)) + (1,) * len(unpaired))
+    padded = (1,) * (len(out_shape) - d.ndim) + d.shape
+    d = reshaped(d, tuple(1 if s == 1 else n for s, n in zip(padded, out_shape)) + (1,) * len(unpaired))
     return Sparse(out_shape, x_shape, pairs, d.shape, np.dtype(d.dtype), d)
 
 
