@@ -42,6 +42,7 @@ PROGRAMS = ("roe_flux_1d", "roe_flux_3d", "robot_arm_6dof", "human_heart_dipole"
 ORDERS = ("fwd", "rev", "markowitz")
 JAX_COMPETITORS = ("jax.jacfwd", "jax.jacrev")
 COMPETITORS = JAX_COMPETITORS + tuple(f"jacve {o}" for o in ORDERS)
+FLOOR = "call floor"
 
 #: graphax's multiplication counts (fwd, rev, degree-based minimal Markowitz), from the team's
 #: reference file shared/reference/anchors.md, table "Multiplications (and additions) of Jacobian
@@ -84,7 +85,11 @@ Every jacve Jacobian is checked against `jax.jacrev`'s (last column of the opera
 
 - *Run time*: after two warm-up calls, R rounds; in each round every competitor makes C calls in
   turn (the competitor that goes first rotates from round to round, so machine load hits all alike);
-  each call is timed to `block_until_ready`. Reported: the median of the R x C calls.
+  each call is timed to `block_until_ready`. Reported: the median of the R x C calls. The *call
+  floor* column is timed alongside: a jitted function of the same arguments that returns the
+  Jacobian's pytree filled with one argument value, i.e. what any call returning that many arrays
+  costs without arithmetic. Where a Jacobian's time is close to its floor, the call is dispatch and
+  output overhead and the ratio cannot show a faster computation.
 - *Batched*: the same for `jax.jit(jax.vmap(jacobian))` over B points (every differentiated argument
   batched; the points are the example point times `1 + 0.01 * N(0, 1)` noise, seed 0), with Cb
   calls per round, or fewer (at least one) for a competitor whose Cb calls would take over 0.25 s.
@@ -112,6 +117,7 @@ class Result:
     run: dict = field(default_factory=dict)
     batched: dict = field(default_factory=dict)
     first: dict = field(default_factory=dict)
+    floor: float = math.nan  # seconds per call of the call floor (see call_floor)
     ops: dict = field(default_factory=dict)  # order -> (mults, adds)
     deviation: dict = field(default_factory=dict)  # order -> max relative deviation from jax.jacrev
 
@@ -146,6 +152,23 @@ def jacobian_maker(fn, argnums, competitor: str):
         return lambda: jax.jacrev(fn, argnums=argnums)
     order = competitor.removeprefix("jacve ")
     return lambda: jaxtool.jacve(fn, order=order, argnums=argnums)
+
+
+def call_floor(reference, argnums):
+    """A jitted function of the program's arguments that returns the Jacobian's pytree (shapes and
+    dtypes of ``reference``) filled with one argument value: next to no arithmetic, so its time is
+    what any call returning that pytree costs (dispatch, one buffer and one array per leaf)."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, tree = jax.tree_util.tree_flatten(reference)
+    specs = [(x.shape, x.dtype) for x in leaves]
+
+    def floor(*args):
+        value = jnp.ravel(jnp.asarray(args[argnums[0]]))[0]
+        return jax.tree_util.tree_unflatten(tree, [jnp.full(shape, value, dtype) for shape, dtype in specs])
+
+    return jax.jit(floor)
 
 
 def batch_of(args, argnums, size: int, seed: int = 0):
@@ -255,7 +278,10 @@ def bench_program(name: str, fn, args, opts) -> Result:
     result.ops = op_counts(fn, args, argnums)
 
     note(f"{name}: run time ({opts.rounds} rounds x {opts.calls} calls)")
-    result.run = time_round_robin({c: jax.jit(m()) for c, m in makers.items()}, args, opts.rounds, opts.calls)
+    fns = {c: jax.jit(m()) for c, m in makers.items()}
+    fns[FLOOR] = call_floor(outputs["jax.jacrev"], argnums)
+    result.run = time_round_robin(fns, args, opts.rounds, opts.calls)
+    result.floor = result.run.pop(FLOOR)
 
     note(f"{name}: batched run time (batch {opts.batch}, {opts.rounds} rounds x {opts.batch_calls} calls at most)")
     batch = batch_of(args, argnums, opts.batch)
@@ -312,17 +338,23 @@ def speed_ratio(times: dict) -> float:
     return times[f"jacve {best_order(times)}"] / min(times[c] for c in JAX_COMPETITORS)
 
 
-def timing_table(results, key: str, unit: str) -> list:
-    header = "| program | " + " | ".join(f"`{c}`" for c in COMPETITORS) + " | best jacve | ratio |"
-    lines = [header, "|---" * (len(COMPETITORS) + 3) + "|"]
+def timing_table(results, key: str, unit: str, floor: bool = False) -> list:
+    """One row per program: each competitor's time, the best jacve order and the ratio; with
+    ``floor``, also the call floor (:func:`call_floor`) as the last column."""
+    extra = [FLOOR] if floor else []
+    header = "| program | " + " | ".join(f"`{c}`" for c in COMPETITORS) + " | best jacve | ratio |" + \
+        "".join(f" {c} |" for c in extra)
+    lines = [header, "|---" * (len(COMPETITORS) + 3 + len(extra)) + "|"]
     ratios = []
     for r in results:
         times = getattr(r, key)
         ratio = speed_ratio(times)
         ratios.append(ratio)
         cells = [_time(times[c], unit) for c in COMPETITORS]
-        lines.append(f"| {r.name} | " + " | ".join(cells) + f" | {best_order(times)} | {ratio:.2f} |")
-    lines.append("| **geo. mean** |" + " |" * (len(COMPETITORS) + 1) + f" **{geomean(ratios):.2f}** |")
+        lines.append(f"| {r.name} | " + " | ".join(cells) + f" | {best_order(times)} | {ratio:.2f} |"
+                     + "".join(f" {_time(r.floor, unit)} |" for _ in extra))
+    lines.append("| **geo. mean** |" + " |" * (len(COMPETITORS) + 1) + f" **{geomean(ratios):.2f}** |"
+                 + " |" * len(extra))
     return lines
 
 
@@ -370,7 +402,7 @@ def report(results, opts, machine: list, load_before, load_after, elapsed: float
              f"- programs: {names}",
              f"- differentiated arguments: {argnums}", "",
              "## Run time at the example point (microseconds per call, median)", "",
-             *timing_table(results, "run", "us"), "",
+             *timing_table(results, "run", "us", floor=True), "",
              f"## Batched run time, `jit(vmap(...))` over {opts.batch} points (milliseconds per call, median)", "",
              *timing_table(results, "batched", "ms"), "",
              "## First call: trace + compile + run (milliseconds, median)", "",

@@ -66,6 +66,7 @@ def test_every_measurement_is_made(bench, measured):
     for times in (result.run, result.batched, result.first):
         assert set(times) == set(bench.COMPETITORS)
         assert all(0 < t < 60 for t in times.values())
+    assert 0 < result.floor < 60
     assert set(result.deviation) == set(bench.ORDERS)
     assert max(result.deviation.values()) <= bench.TOLERANCE
 
@@ -102,6 +103,11 @@ def test_markdown_report(bench, measured):
         expected = times[f"`jacve {best}`"] / min(times["`jax.jacfwd`"], times["`jax.jacrev`"])
         assert math.isclose(ratio, expected, rel_tol=0.05, abs_tol=0.01)  # shown times are rounded
         assert ratio == pytest.approx(bench.speed_ratio(getattr(result, key)), abs=0.006)
+        if key == "run":  # the call floor is the last column of the point table only
+            assert header[-1] == "call floor" and float(row[-1]) == pytest.approx(result.floor * unit, rel=0.01)
+            header, row, mean = header[:-1], row[:-1], mean[:-1]
+        else:
+            assert len(header) == 8
         assert mean[0] == "**geo. mean**" and mean[-1] == f"**{row[7]}**"  # one program: the mean is its ratio
 
     header, _, row, mean = _table(text, "First call")
