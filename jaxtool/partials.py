@@ -325,11 +325,9 @@ def matmul(b: Partial, a: Partial) -> tuple[Partial, Cost]:
 
 def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
     plan = _product_plan(b.key, a.key)
-    if plan.unit:
-        return Sparse(b.out_shape, a.in_shape, plan.pairs, plan.val_shape, plan.dtype, None, True), plan.cost
-    result = Sparse(b.out_shape, a.in_shape, plan.pairs, plan.val_shape, plan.dtype)
-    if a.abstract or b.abstract:
-        return result, plan.cost
+    if plan.unit or a.abstract or b.abstract:
+        return plan.result, plan.cost
+    result = plan.result
     # the stored axes a product uses, without the size-1 axes it does not
     operands = [(part.val, tuple(part.val.shape[n] for n in keep))
                 for part, keep in ((b, plan.b_keep), (a, plan.a_keep)) if keep is not None]
@@ -343,6 +341,7 @@ def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
 class _ProductPlan:
     """Structure and cost of ``b o a`` for two Sparse partials, and how to compute its values."""
 
+    result: Sparse  # the product's structure (a plan, or a unit partial)
     pairs: tuple
     val_shape: tuple
     dtype: np.dtype
@@ -421,7 +420,9 @@ def _product_plan(b_key: tuple, a_key: tuple) -> _ProductPlan:
         keeps.append(keep)
         specs.append("".join(letters[axes[n]] for n in keep))
     out_spec = "".join(letters[c] for c in c_axes if c in present)
-    return _ProductPlan(tuple(pairs), val_shape, dtype, a.unit and b.unit and factor == 1, Cost(mults, adds),
+    unit = a.unit and b.unit and factor == 1
+    result = Sparse(b.out_shape, a.in_shape, tuple(pairs), val_shape, dtype, None, unit)
+    return _ProductPlan(result, tuple(pairs), val_shape, dtype, unit, Cost(mults, adds),
                         factor, keeps[0], keeps[1], tuple(specs), out_spec, loop)
 
 
@@ -680,25 +681,25 @@ def linear_to_sparse(x: Linear) -> Sparse:
 
 
 def _sparse_add(x: Sparse, y: Sparse) -> tuple[Sparse, Cost]:
-    common, val_shape, dtype, cost = _sum_plan(x.key, y.key)
-    result = Sparse(x.out_shape, x.in_shape, common, val_shape, dtype)
+    result, cost = _sum_plan(x.key, y.key)
     if x.abstract or y.abstract:
         return result, cost
-    unpaired = [k for k, p in enumerate(common) if p is None]
+    unpaired = [k for k, p in enumerate(result.pairs) if p is None]
     x, y = x.unpair(unpaired), y.unpair(unpaired)
+    dtype = result.dtype
     xv, yv = (v if v.dtype == dtype else v.astype(dtype) for v in (x.values(), y.values()))
     return replace(result, val=_broadcasting(lax.add, xv, yv)), cost
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _sum_plan(x_key: tuple, y_key: tuple) -> tuple:
-    """Pairs, value shape, dtype and cost of the sum of two Sparse partials, from their keys."""
+    """The structure (a plan) and cost of the sum of two Sparse partials, from their keys."""
     x, y = Sparse(*x_key[:-1], False), Sparse(*y_key[:-1], False)  # structure only, no values
     common = tuple(p if p == q else None for p, q in zip(x.pairs, y.pairs))
     x = x.unpair([k for k, p in enumerate(common) if p is None])
     y = y.unpair([k for k, p in enumerate(common) if p is None])
     val_shape = tuple(max(s, t) for s, t in zip(x.val_shape, y.val_shape))
-    return common, val_shape, np.dtype(_result_dtype(x, y)), Cost(0, _size(val_shape))
+    return Sparse(x.out_shape, x.in_shape, common, val_shape, np.dtype(_result_dtype(x, y))), Cost(0, _size(val_shape))
 
 
 def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
