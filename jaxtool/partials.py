@@ -323,6 +323,12 @@ def matmul(b: Partial, a: Partial) -> tuple[Partial, Cost]:
     return _linear_after_sparse(b, a)
 
 
+def clear_plan_caches() -> None:
+    """Forget the cached product and sum plans (for measuring a cold start; see ``make bench``)."""
+    _product_plan.cache_clear()
+    _sum_plan.cache_clear()
+
+
 def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
     plan = _product_plan(b.key, a.key)
     if plan.unit or a.abstract or b.abstract:

@@ -238,6 +238,26 @@ def test_diagonal_times_slice_is_a_scaled_slice():
     assert isinstance(partial, Linear) and partial.selection and partial.has_scale
 
 
+def test_division_by_a_scalar_stores_one_value():
+    # d(x/s)/dx = 1/s is one value for every element (as for a product with a scalar), d(x/s)/ds = -(x/s)/s one per element
+    f = lambda x, s: jnp.sin(x) / s  # noqa: E731
+    problem = trace_problem(f, X, 1.5, argnums=(0, 1))
+    quotient = problem.graph.preds[3]  # vertices: 1 = sin(x), 2 = s as float32, 3 = the quotient
+    assert quotient[1].stored == 1 and quotient[2].stored == X.size
+    np.testing.assert_allclose(np.concatenate([np.ravel(b) for b in jaxtool.jacve(f, argnums=(0, 1))(X, 1.5)]),
+                               np.concatenate([np.ravel(b) for b in jax.jacrev(f, argnums=(0, 1))(X, 1.5)]),
+                               rtol=1e-6)
+
+
+def test_clearing_the_plan_caches():
+    from jaxtool.partials import _product_plan, clear_plan_caches
+
+    jaxtool.jacve(lambda x: jnp.sin(x) * x)(X)
+    assert _product_plan.cache_info().currsize > 0
+    clear_plan_caches()
+    assert _product_plan.cache_info().currsize == 0
+
+
 # --- operation counts, derived by hand
 
 
