@@ -331,16 +331,16 @@ def clear_plan_caches() -> None:
 
 def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
     plan = _product_plan(b.key, a.key)
-    if plan.unit or a.abstract or b.abstract:
-        return plan.result, plan.cost
     result = plan.result
+    if result.unit or a.abstract or b.abstract:
+        return result, plan.cost
     # the stored axes a product uses, without the size-1 axes it does not
     operands = [(part.val, tuple(part.val.shape[n] for n in keep))
                 for part, keep in ((b, plan.b_keep), (a, plan.a_keep)) if keep is not None]
-    val = _contract(operands, plan.specs, plan.out_spec, plan.loop, plan.dtype)
+    val = _contract(operands, plan.specs, plan.out_spec, plan.loop, result.dtype)
     if plan.factor != 1:
-        val = val * jnp.asarray(plan.factor, plan.dtype)
-    return replace(result, val=reshaped(val.astype(plan.dtype), plan.val_shape)), plan.cost
+        val = val * jnp.asarray(plan.factor, result.dtype)
+    return replace(result, val=reshaped(val.astype(result.dtype), result.val_shape)), plan.cost
 
 
 @dataclass(frozen=True)
@@ -348,10 +348,6 @@ class _ProductPlan:
     """Structure and cost of ``b o a`` for two Sparse partials, and how to compute its values."""
 
     result: Sparse  # the product's structure (a plan, or a unit partial)
-    pairs: tuple
-    val_shape: tuple
-    dtype: np.dtype
-    unit: bool
     cost: Cost
     factor: int  # contracted size over which neither operand stores values
     b_keep: Optional[tuple]  # stored axes of b's values taken into the contraction (None: b is unit)
@@ -426,10 +422,8 @@ def _product_plan(b_key: tuple, a_key: tuple) -> _ProductPlan:
         keeps.append(keep)
         specs.append("".join(letters[axes[n]] for n in keep))
     out_spec = "".join(letters[c] for c in c_axes if c in present)
-    unit = a.unit and b.unit and factor == 1
-    result = Sparse(b.out_shape, a.in_shape, tuple(pairs), val_shape, dtype, None, unit)
-    return _ProductPlan(result, tuple(pairs), val_shape, dtype, unit, Cost(mults, adds),
-                        factor, keeps[0], keeps[1], tuple(specs), out_spec, loop)
+    result = Sparse(b.out_shape, a.in_shape, tuple(pairs), val_shape, dtype, None, a.unit and b.unit and factor == 1)
+    return _ProductPlan(result, Cost(mults, adds), factor, keeps[0], keeps[1], tuple(specs), out_spec, loop)
 
 
 #: Products with at most this many scalar multiplications are written as broadcast-multiply-sum, which

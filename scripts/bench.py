@@ -345,10 +345,8 @@ def speed_ratio(times: dict) -> float:
 def timing_table(results, key: str, unit: str, floor: bool = False) -> list:
     """One row per program: each competitor's time, the best jacve order and the ratio; with
     ``floor``, also the call floor (:func:`call_floor`) as the last column."""
-    extra = [FLOOR] if floor else []
-    header = "| program | " + " | ".join(f"`{c}`" for c in COMPETITORS) + " | best jacve | ratio |" + \
-        "".join(f" {c} |" for c in extra)
-    lines = [header, "|---" * (len(COMPETITORS) + 3 + len(extra)) + "|"]
+    header = "| program | " + " | ".join(f"`{c}`" for c in COMPETITORS) + " | best jacve | ratio |"
+    lines = [header + (f" {FLOOR} |" if floor else ""), "|---" * (len(COMPETITORS) + 3 + floor) + "|"]
     ratios = []
     for r in results:
         times = getattr(r, key)
@@ -356,9 +354,9 @@ def timing_table(results, key: str, unit: str, floor: bool = False) -> list:
         ratios.append(ratio)
         cells = [_time(times[c], unit) for c in COMPETITORS]
         lines.append(f"| {r.name} | " + " | ".join(cells) + f" | {best_order(times)} | {ratio:.2f} |"
-                     + "".join(f" {_time(r.floor, unit)} |" for _ in extra))
+                     + (f" {_time(r.floor, unit)} |" if floor else ""))
     lines.append("| **geo. mean** |" + " |" * (len(COMPETITORS) + 1) + f" **{geomean(ratios):.2f}** |"
-                 + " |" * len(extra))
+                 + (" |" if floor else ""))
     return lines
 
 
