@@ -442,7 +442,7 @@ def _contract(operands, specs, out_spec, loop, dtype):
     if not operands:
         return jnp.ones((), dtype)
     operands = [(v if v.dtype == dtype else v.astype(dtype), shape) for v, shape in operands]
-    if len(operands) == 2 and loop > SMALL_CONTRACTION:
+    if len(operands) == 2 and loop > SMALL_CONTRACTION and set(specs[0]) & set(specs[1]) - set(out_spec):
         return _dot([reshaped(v, shape) for v, shape in operands], specs, out_spec, dtype)
     summed = "".join(dict.fromkeys(l for spec in specs for l in spec if l not in out_spec))
     order = out_spec + summed

@@ -193,6 +193,28 @@ def test_argnums_has_aux_and_pytrees_match_jacrev_structure():
         assert_same_jacobian(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_integer_outputs_get_zero_blocks():
+    x = jnp.arange(1.0, 5.0)
+    scaled, index = jaxtool.jacve(lambda v: (v * 2, jnp.argmax(v)))(x)
+    np.testing.assert_array_equal(scaled, 2 * np.eye(4))
+    assert index.shape == (4,) and index.dtype == x.dtype and not np.any(index)
+    np.testing.assert_array_equal(index, jax.jacfwd(lambda v: jnp.argmax(v))(x))
+
+
+def test_non_finite_partials_stay_on_their_paths():
+    x = jnp.arange(1.0, 5.0)  # x - 2 is -1, 0, 1, 2: sqrt' is NaN, inf, 0.5, 0.354
+    got = np.asarray(jaxtool.jacve(lambda v: jnp.sqrt(v - 2.0))(x))
+    np.testing.assert_array_equal(np.isnan(got), np.diag([True, False, False, False]))
+    assert got[1, 1] == np.inf and got[~np.eye(4, dtype=bool)].tolist() == [0.0] * 12
+    np.testing.assert_allclose(got, jax.jit(jax.jacrev(lambda v: jnp.sqrt(v - 2.0)))(x), rtol=1e-6)
+    # a where mask times a NaN partial is NaN (as jax.grad gives), on the diagonal only
+    masked = np.asarray(jaxtool.jacve(lambda v: jnp.where(v > 2, jnp.sqrt(v - 2), 0.0))(x))
+    np.testing.assert_array_equal(np.isnan(masked), np.diag([True, True, False, False]))
+    assert masked[~np.eye(4, dtype=bool)].tolist() == [0.0] * 12
+    assert masked[3, 3] == pytest.approx(0.5 ** 1.5)
+    assert np.isnan(jax.grad(lambda v: jnp.where(v > 2, jnp.sqrt(v - 2), 0.0).sum())(x)[0])
+
+
 def test_composes_with_jit_vmap_and_second_derivatives():
     f = lambda x: jnp.sin(x) * jnp.exp(x).sum() + x ** 2  # noqa: E731
     x = jnp.linspace(0.1, 1.0, 5)
