@@ -525,9 +525,10 @@ def opaque(eqn, invals, outvals, wrt):
         return []
     from jaxtool.source import location
 
-    probe = [jnp.zeros(_shape(invals[i]), jax.typeof(invals[i]).dtype) for i in wrt]
-    try:
-        jax.eval_shape(lambda t: _jvp_at(eqn, invals, wrt[0], t), probe[0])
+    try:  # JAX's forward rule may exist for some inputs only (scatter_mul's operand)
+        for i in wrt:
+            probe = jnp.zeros(_shape(invals[i]), jax.typeof(invals[i]).dtype)
+            jax.eval_shape(lambda t, i=i: _jvp_at(eqn, invals, i, t), probe)
     except Exception as jvp_error:  # JAX has no forward rule: try reverse mode
         try:
             jax.eval_shape(lambda: jax.vjp(lambda *xs: bind(eqn, *xs), *invals))

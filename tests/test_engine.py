@@ -357,3 +357,15 @@ def test_non_differentiable_primitive_is_reported_with_location():
         jaxtool.jacve(f)(X)
     assert info.value.primitive == "pure_callback"
     assert "test_engine.py" in (info.value.location or "")
+
+
+def test_primitive_without_a_rule_for_one_input_is_reported():
+    def f(x):  # JAX differentiates scatter_mul's operand, not its updates at repeated indices
+        return x.at[jnp.array([0, 0, 2])].mul(x[:3])
+
+    with pytest.raises(NotImplementedError):
+        jax.jacfwd(f)(X[:4])
+    with pytest.raises(UnsupportedError) as info:
+        jaxtool.jacve(f)(X[:4])
+    assert info.value.primitive == "scatter-mul"
+    assert "test_engine.py" in (info.value.location or "")
