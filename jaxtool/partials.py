@@ -461,7 +461,7 @@ def _contract(operands, specs, out_spec, loop, dtype):
 
 def _broadcasting(op, x, y):
     """``op(x, y)`` for arrays of one rank and dtype whose axes are equal or of size 1 in one of them."""
-    shape = tuple(max(m, n) for m, n in zip(x.shape, y.shape))
+    shape = tuple(n if m == 1 else m for m, n in zip(x.shape, y.shape))  # 1 broadcasts, also to 0
     dims = tuple(range(len(shape)))
     x = x if x.shape == shape else lax.broadcast_in_dim(x, shape, dims)
     y = y if y.shape == shape else lax.broadcast_in_dim(y, shape, dims)
@@ -698,7 +698,7 @@ def _sum_plan(x_key: tuple, y_key: tuple) -> tuple:
     common = tuple(p if p == q else None for p, q in zip(x.pairs, y.pairs))
     x = x.unpair([k for k, p in enumerate(common) if p is None])
     y = y.unpair([k for k, p in enumerate(common) if p is None])
-    val_shape = tuple(max(s, t) for s, t in zip(x.val_shape, y.val_shape))
+    val_shape = tuple(t if s == 1 else s for s, t in zip(x.val_shape, y.val_shape))  # 1 broadcasts, also to 0
     return Sparse(x.out_shape, x.in_shape, common, val_shape, np.dtype(_result_dtype(x, y))), Cost(0, _size(val_shape))
 
 

@@ -18,6 +18,7 @@ from jaxtool.elimination import blocks, run
 from jaxtool.errors import OrderError, UnsupportedError
 from jaxtool.jacobian import trace_problem
 from jaxtool.orders import resolve_order
+from jaxtool import partials
 from jaxtool.partials import Linear, Sparse
 
 SAMPLES = pathlib.Path(__file__).resolve().parent.parent / "sample_programs"
@@ -369,3 +370,21 @@ def test_primitive_without_a_rule_for_one_input_is_reported():
         jaxtool.jacve(f)(X[:4])
     assert info.value.primitive == "scatter-mul"
     assert "test_engine.py" in (info.value.location or "")
+
+
+def test_zero_size_values_broadcast_against_size_one_values():
+    # jnp.roll of a length-1 vector slices out an empty piece: its partials store zero-size values,
+    # which meet partials stored with size-1 (replicated) axes in products and sums
+    empty = Sparse.dense(jnp.zeros((0, 1)), (0,), (1,))  # u: f32[1] -> v: f32[0]
+    scale = Sparse.diag(jnp.full((1,), 2.0), (0,))  # v -> w, one stored value for every element
+    product, _ = partials.matmul(scale, empty)
+    assert product.to_dense().shape == (0, 1)
+    replicated = Sparse((0,), (1,), (None,), (1, 1), np.dtype(np.float32), jnp.ones((1, 1)))
+    total, _ = partials.add(empty, replicated)
+    assert total.to_dense().shape == (0, 1)
+    f = lambda v, w: jnp.roll(jnp.roll(v, 1) * w, 1) + jnp.roll(v, 1) * v.sum()  # noqa: E731
+    args = (jnp.array([0.3]), jnp.array([0.7]))
+    problem = trace_problem(f, *args, argnums=(0, 1))
+    for order in ("fwd", "rev", "markowitz", sorted(problem.eliminable, key=lambda v: (v % 3, v))):
+        assert_same_jacobian(jaxtool.jacve(f, order=order, argnums=(0, 1))(*args),
+                             jax.jacrev(f, argnums=(0, 1))(*args), rtol=1e-6, atol=1e-7)
