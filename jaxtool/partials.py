@@ -426,8 +426,9 @@ def _product_plan(b_key: tuple, a_key: tuple) -> _ProductPlan:
     return _ProductPlan(result, Cost(mults, adds), factor, keeps[0], keeps[1], tuple(specs), out_spec, loop)
 
 
-#: Products with at most this many scalar multiplications are written as broadcast-multiply-sum, which
-#: XLA fuses with its neighbours; larger contractions go to ``dot_general``.
+#: Products with at most this many scalar multiplications, and products that sum no axis the two factors
+#: share (scalings, outer products), are written as broadcast-multiply(-sum), which XLA fuses with its
+#: neighbours; larger contractions go to ``dot_general``.
 SMALL_CONTRACTION = 64
 
 
@@ -442,7 +443,8 @@ def _contract(operands, specs, out_spec, loop, dtype):
     if not operands:
         return jnp.ones((), dtype)
     operands = [(v if v.dtype == dtype else v.astype(dtype), shape) for v, shape in operands]
-    if len(operands) == 2 and loop > SMALL_CONTRACTION and set(specs[0]) & set(specs[1]) - set(out_spec):
+    contracted = (set(specs[0]) & set(specs[1])) - set(out_spec) if len(operands) == 2 else ()
+    if contracted and loop > SMALL_CONTRACTION:
         return _dot([reshaped(v, shape) for v, shape in operands], specs, out_spec, dtype)
     summed = "".join(dict.fromkeys(l for spec in specs for l in spec if l not in out_spec))
     order = out_spec + summed
@@ -459,9 +461,14 @@ def _contract(operands, specs, out_spec, loop, dtype):
     return product
 
 
+def _broadcast_shape(s: tuple, t: tuple) -> tuple:
+    """The common shape of two shapes of one rank whose axes are equal or 1 (a 1 also broadcasts to 0)."""
+    return tuple(n if m == 1 else m for m, n in zip(s, t))
+
+
 def _broadcasting(op, x, y):
     """``op(x, y)`` for arrays of one rank and dtype whose axes are equal or of size 1 in one of them."""
-    shape = tuple(n if m == 1 else m for m, n in zip(x.shape, y.shape))  # 1 broadcasts, also to 0
+    shape = _broadcast_shape(x.shape, y.shape)
     dims = tuple(range(len(shape)))
     x = x if x.shape == shape else lax.broadcast_in_dim(x, shape, dims)
     y = y if y.shape == shape else lax.broadcast_in_dim(y, shape, dims)
@@ -698,7 +705,7 @@ def _sum_plan(x_key: tuple, y_key: tuple) -> tuple:
     common = tuple(p if p == q else None for p, q in zip(x.pairs, y.pairs))
     x = x.unpair([k for k, p in enumerate(common) if p is None])
     y = y.unpair([k for k, p in enumerate(common) if p is None])
-    val_shape = tuple(t if s == 1 else s for s, t in zip(x.val_shape, y.val_shape))  # 1 broadcasts, also to 0
+    val_shape = _broadcast_shape(x.val_shape, y.val_shape)
     return Sparse(x.out_shape, x.in_shape, common, val_shape, np.dtype(_result_dtype(x, y))), Cost(0, _size(val_shape))
 
 
