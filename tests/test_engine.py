@@ -14,11 +14,11 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxtool
+from jaxtool import partials
 from jaxtool.elimination import blocks, run
 from jaxtool.errors import OrderError, UnsupportedError
 from jaxtool.jacobian import trace_problem
 from jaxtool.orders import resolve_order
-from jaxtool import partials
 from jaxtool.partials import Linear, Sparse
 
 SAMPLES = pathlib.Path(__file__).resolve().parent.parent / "sample_programs"
