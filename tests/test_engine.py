@@ -216,6 +216,17 @@ def test_non_finite_partials_stay_on_their_paths():
     assert np.isnan(jax.grad(lambda v: jnp.where(v > 2, jnp.sqrt(v - 2), 0.0).sum())(x)[0])
 
 
+def test_reduce_precision_follows_its_jvp_rule():
+    # JAX differentiates lax.reduce_precision as the identity in forward mode, but jax.jacrev rounds
+    # the cotangent as well: the two disagree by the rounding, and jaxtool gives jacfwd's exact ones
+    x = jnp.linspace(-1.3, 2.9, 6)
+    f = lambda v: lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7) * v  # noqa: E731
+    forward, reverse = jax.jacfwd(f)(x), jax.jacrev(f)(x)
+    assert not np.allclose(forward, reverse, rtol=1e-4, atol=0)
+    for order in ("fwd", "rev", "markowitz"):
+        np.testing.assert_array_equal(jaxtool.jacve(f, order=order)(x), forward)
+
+
 def test_composes_with_jit_vmap_and_second_derivatives():
     f = lambda x: jnp.sin(x) * jnp.exp(x).sum() + x ** 2  # noqa: E731
     x = jnp.linspace(0.1, 1.0, 5)
