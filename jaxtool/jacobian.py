@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 
@@ -16,10 +18,17 @@ def _positions(argnums) -> tuple:
     return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
+def _is_array(x) -> bool:
+    """Whether a traced function may return ``x`` (arrays, tracers and numeric scalars)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+
+
 def _trace(fun, args, kwargs, positions, has_aux):
     """Trace ``fun`` as a function of the flat leaves of ``args[positions]``.
 
-    Returns the flat program, the differentiated leaves, their tree, and the output and aux trees.
+    Returns the flat program, the differentiated leaves, their tree, the output and aux trees,
+    and the aux leaves that are not arrays (strings, objects: ``{position: value}``), which are
+    returned as they are, as ``jax.jacrev`` returns them, instead of being program outputs.
     """
     for p in positions:
         if not -len(args) <= p < len(args):
@@ -36,10 +45,17 @@ def _trace(fun, args, kwargs, positions, has_aux):
         out, aux = result if has_aux else (result, None)
         out_leaves, trees["out"] = jax.tree_util.tree_flatten(out)
         aux_leaves, trees["aux"] = jax.tree_util.tree_flatten(aux)
-        return list(out_leaves) + list(aux_leaves)
+        trees["static"] = {n: leaf for n, leaf in enumerate(aux_leaves) if not _is_array(leaf)}
+        return list(out_leaves) + [leaf for n, leaf in enumerate(aux_leaves) if n not in trees["static"]]
 
     program = flatten(jax.make_jaxpr(flat_fun)(*leaves))
-    return program, leaves, dyn_tree, trees["out"], trees["aux"]
+    return program, leaves, dyn_tree, trees["out"], trees["aux"], trees["static"]
+
+
+def _signature(args, kwargs) -> tuple:
+    """The tree, shapes and dtypes of a call's arguments (a ``jax.jit`` cache entry's)."""
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    return tree, tuple((np.shape(x), jnp.result_type(x)) for x in leaves)
 
 
 def jacve(fun, order="rev", argnums=0, has_aux=False):
@@ -61,8 +77,9 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
         parse_order(order)  # fail early on a malformed name
     positions = _positions(argnums)
 
-    def jacobian(*args, **kwargs):
-        program, leaves, dyn_tree, out_tree, aux_tree = _trace(fun, args, kwargs, positions, has_aux)
+    def parts(*args, **kwargs):
+        """The Jacobian, the aux leaves that are arrays, the aux tree and the other aux leaves."""
+        program, leaves, dyn_tree, out_tree, aux_tree, static = _trace(fun, args, kwargs, positions, has_aux)
         problem = build(program, leaves, range(len(leaves)))
         run(problem, resolve_order(order, problem))
         n_out = out_tree.num_leaves
@@ -70,19 +87,35 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
         inner = [jax.tree_util.tree_unflatten(dyn_tree, row) for row in blocks(problem)[:n_out]]
         if isinstance(argnums, int):
             inner = [i[0] for i in inner]
-        result = jax.tree_util.tree_unflatten(out_tree, inner)
-        if has_aux:
-            return result, jax.tree_util.tree_unflatten(aux_tree, list(problem.out_values[n_out:]))
-        return result
+        return jax.tree_util.tree_unflatten(out_tree, inner), list(problem.out_values[n_out:]), aux_tree, static
 
-    staged = jax.jit(jacobian)
+    def with_aux(result, arrays, aux_tree, static):
+        if not has_aux:
+            return result
+        arrays = iter(arrays)
+        leaves = [static[n] if n in static else next(arrays) for n in range(aux_tree.num_leaves)]
+        return result, jax.tree_util.tree_unflatten(aux_tree, leaves)
+
+    # aux leaves that are not arrays cannot leave jax.jit: kept per argument signature, as traced
+    aux_layouts = {}
+
+    def staged_parts(*args, **kwargs):
+        result, arrays, aux_tree, static = parts(*args, **kwargs)
+        if has_aux:
+            aux_layouts[_signature(args, kwargs)] = (aux_tree, static)
+        return result, arrays
+
+    staged = jax.jit(staged_parts)
 
     @functools.wraps(fun)
     def jacobian_staged(*args, **kwargs):
         leaves = jax.tree_util.tree_leaves((args, kwargs))
         if all(hasattr(x, "dtype") or isinstance(x, (int, float, bool)) for x in leaves):
-            return staged(*args, **kwargs)
-        return jacobian(*args, **kwargs)  # non-array arguments cannot be staged
+            result, arrays = staged(*args, **kwargs)
+            if not has_aux:
+                return result
+            return with_aux(result, arrays, *aux_layouts[_signature(args, kwargs)])
+        return with_aux(*parts(*args, **kwargs))  # non-array arguments cannot be staged
 
     return jacobian_staged
 

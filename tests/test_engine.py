@@ -194,6 +194,17 @@ def test_argnums_has_aux_and_pytrees_match_jacrev_structure():
         assert_same_jacobian(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_aux_leaves_that_are_not_arrays_pass_through():
+    # un-jitted jax.jacrev returns such aux leaves as they are; jacve does too, per argument shape
+    f = lambda v: (v * 2, {"shape": str(v.shape), "sum": v.sum()})  # noqa: E731
+    jacobian = jaxtool.jacve(f, has_aux=True)
+    for x in (jnp.arange(3.0), jnp.ones((2, 2)), jnp.arange(3.0)):
+        (got, got_aux), (want, want_aux) = jacobian(x), jax.jacrev(f, has_aux=True)(x)
+        np.testing.assert_array_equal(got, want)
+        assert got_aux["shape"] == want_aux["shape"] == str(x.shape)
+        np.testing.assert_array_equal(got_aux["sum"], want_aux["sum"])
+
+
 def test_integer_outputs_get_zero_blocks():
     x = jnp.arange(1.0, 5.0)
     scaled, index = jaxtool.jacve(lambda v: (v * 2, jnp.argmax(v)))(x)
