@@ -82,6 +82,8 @@ def test_jacve_matches_jacrev(seed, outcomes):
     status, report = outcomes.get(seed) or pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS)
     if status == "skipped":
         pytest.skip(report)
+    if status == "rounding":  # listed by `pytest -rx`, see program_generator.check_case
+        pytest.xfail(report)
     assert status == "passed", report
 
 
@@ -139,6 +141,60 @@ def test_compare_detects_nan_structure_shape_and_dtype(reference):
     assert "float64" in pg.compare(as_f64, reference)[0]
     reshaped = jax.tree_util.tree_map(lambda x: np.asarray(x).reshape(-1, 1), reference)
     assert "!=" in pg.compare(reshaped, reference)[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# second opinions: a difference of values is a rounding artefact only if one clears it
+
+
+@pytest.fixture
+def small_case():
+    return pg.generate(5, max_ops=4)
+
+
+def _differing_values(got, ref):
+    return ["leaf (root): 1/4 " + pg.VALUES_DIFFER + "; worst at [0]: 1 vs reference 0 (block scale 1)"]
+
+
+def test_differences_of_values_cleared_by_a_second_opinion_are_rounding(monkeypatch, small_case):
+    monkeypatch.setattr(pg, "compare", _differing_values)  # the checker's own comparison, not JAX
+    monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: False)
+    monkeypatch.setattr(pg, "_eager_failures", lambda case, n: {})
+    result = pg.check_case(small_case, 1)
+    assert result.ok and set(result.rounding) == {pg.label(o) for o in pg.orders_for(small_case, 1)}
+    assert result.reason == "jacve and jax.jacrev agree when both run eagerly"
+    monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: True)
+    assert "primal output" in pg.check_case(small_case, 1).reason
+
+
+def test_differences_no_second_opinion_clears_are_failures(monkeypatch, small_case):
+    monkeypatch.setattr(pg, "compare", _differing_values)
+    monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: False)
+    monkeypatch.setattr(pg, "_eager_failures", lambda case, n: {"fwd": ["still differs"]})
+    result = pg.check_case(small_case, 1)
+    assert not result.ok and not result.rounding
+    # a crash or a wrong shape is never a rounding artefact, whatever the second opinions say
+    monkeypatch.setattr(pg, "_eager_failures", lambda case, n: {})
+    monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: True)
+    monkeypatch.setattr(pg, "compare", lambda got, ref: ["leaf (root): float32[2] != reference float32[3]"])
+    assert not pg.check_case(small_case, 1).ok
+
+
+def test_second_opinions_on_a_correct_and_a_wrong_engine(monkeypatch, small_case):
+    import jax
+
+    import jaxtool
+
+    assert not pg._reference_branch_differs(small_case)
+    assert pg._eager_failures(small_case, 1) == {}
+    real = jaxtool.jacve
+
+    def doubled(*args, **kwargs):  # jaxtool's own engine made wrong on purpose
+        jacobian = real(*args, **kwargs)
+        return lambda *a: jax.tree_util.tree_map(lambda x: 2 * x + 1, jacobian(*a))
+
+    monkeypatch.setattr(jaxtool, "jacve", doubled)
+    assert set(pg._eager_failures(small_case, 1)) == {pg.label(o) for o in pg.orders_for(small_case, 1)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -212,6 +268,16 @@ def test_fuzz_script_passes_and_summarises(capsys):
     assert _fuzz_script().main(["-n", "2", "--start", "5", "--max-ops", "4", "--random-orders", "1",
                                 "--jobs", "1"]) == 0
     assert capsys.readouterr().out.splitlines() == ["2 passed, 0 failed"]
+
+
+def test_fuzz_script_lists_rounding_dependent_seeds_without_failing(monkeypatch, capsys):
+    fuzz = _fuzz_script()
+    monkeypatch.setattr(fuzz.pg, "check_seed_outcome",  # not JAX: the checker's verdicts, on demand
+                        lambda seed, *args, **kwargs: ("rounding", "tie") if seed == 4 else ("passed", ""))
+    assert fuzz.main(["--seeds", "3,4,5", "--jobs", "1"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["2 passed, 0 failed, 1 rounding-dependent", "rounding-dependent seeds: 4"]
+    assert "ROUNDING-DEPENDENT tie" in captured.err
 
 
 def test_fuzz_script_exits_1_and_names_failed_seeds(monkeypatch, capsys):
