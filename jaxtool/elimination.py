@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxtool.errors import UnsupportedError, UsageError
 from jaxtool.graph import Const, FlatProgram, Input, evaluate, flatten, read
-from jaxtool.partials import Cost, Partial, Sparse, add, matmul, reshaped
+from jaxtool.partials import Cost, Partial, Sparse, add, cast, matmul, reshaped
 from jaxtool.rules import cuts_derivative, is_differentiable, partials_of
 
 
@@ -207,7 +207,7 @@ def blocks(problem: Problem) -> list:
             if partial is None:
                 row.append(jnp.zeros(shape, dtype))
             else:
-                row.append(reshaped(partial.to_dense().astype(dtype), shape))
+                row.append(reshaped(cast(partial.to_dense(), dtype), shape))
         result.append(row)
     return result
 

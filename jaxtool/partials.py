@@ -56,6 +56,11 @@ def _size(shape) -> int:
     return int(math.prod(shape))
 
 
+def cast(v, dtype):
+    """``v.astype(dtype)``, or ``v`` itself when it has that dtype (no equation is traced)."""
+    return v if v.dtype == dtype else v.astype(dtype)
+
+
 def reshaped(v, shape):
     """``v.reshape(shape)``, or ``v`` itself when it has that shape (no equation is traced)."""
     shape = tuple(shape)
@@ -259,14 +264,14 @@ class Linear(Partial):
 
     def apply(self, t):
         """``J(t)`` for one tangent."""
-        y = self.forward()(t.astype(self.dtype) if t.dtype != self.dtype else t)
+        y = self.forward()(cast(t, self.dtype))
         return y * self.scale if self.has_scale else y
 
     def apply_t(self, c):
         """``J^T(c)`` for one cotangent."""
         if self.has_scale:
             c = c * self.scale
-        return self.backward()(c.astype(self.dtype) if c.dtype != self.dtype else c)
+        return self.backward()(cast(c, self.dtype))
 
     def to_dense(self):
         """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""
@@ -340,7 +345,7 @@ def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
     val = _contract(operands, plan.specs, plan.out_spec, plan.loop, result.dtype)
     if plan.factor != 1:
         val = val * jnp.asarray(plan.factor, result.dtype)
-    return replace(result, val=reshaped(val.astype(result.dtype), result.val_shape)), plan.cost
+    return replace(result, val=reshaped(cast(val, result.dtype), result.val_shape)), plan.cost
 
 
 @dataclass(frozen=True)
@@ -442,20 +447,30 @@ def _contract(operands, specs, out_spec, loop, dtype):
     """
     if not operands:
         return jnp.ones((), dtype)
-    operands = [(v if v.dtype == dtype else v.astype(dtype), shape) for v, shape in operands]
+    operands = [(cast(v, dtype), shape) for v, shape in operands]
     contracted = (set(specs[0]) & set(specs[1])) - set(out_spec) if len(operands) == 2 else ()
     if contracted and loop > SMALL_CONTRACTION:
         return _dot([reshaped(v, shape) for v, shape in operands], specs, out_spec, dtype)
     summed = "".join(dict.fromkeys(l for spec in specs for l in spec if l not in out_spec))
     order = out_spec + summed
+    sizes: dict = {}
+    for (_, shape), spec in zip(operands, specs):
+        for letter, n in zip(spec, shape):
+            sizes[letter] = n if sizes.get(letter, 1) == 1 else sizes[letter]  # a 1 broadcasts (also to 0)
+    full = tuple(sizes[l] for l in order)
     product = None
     for (v, shape), spec in zip(operands, specs):
         perm = sorted(range(len(spec)), key=lambda n: order.index(spec[n]))
-        sizes = {spec[n]: shape[n] for n in perm}
+        v = reshaped(v, shape)
         if perm != list(range(len(spec))):
-            v = lax.transpose(reshaped(v, shape), perm)
-        v = reshaped(v, tuple(sizes.get(l, 1) for l in order))
-        product = v if product is None else _broadcasting(lax.mul, product, v)
+            v = lax.transpose(v, perm)
+        if len(operands) == 1:
+            product = reshaped(v, full)
+        elif tuple(v.shape) == full:
+            product = v if product is None else lax.mul(product, v)
+        else:  # add the missing axes and broadcast in one step
+            v = lax.broadcast_in_dim(v, full, tuple(order.index(spec[n]) for n in perm))
+            product = v if product is None else lax.mul(product, v)
     if summed:
         product = lax.reduce_sum(product, tuple(range(len(out_spec), len(order))))
     return product
@@ -588,7 +603,7 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
                                   _size(a.in_shape))
     else:
         pulled = jax.vmap(a.apply_t)(block.astype(a.dtype))
-    return replace(result, val=reshaped(pulled, val_shape).astype(dtype)), cost
+    return replace(result, val=cast(reshaped(pulled, val_shape), dtype)), cost
 
 
 def _scatter_columns(rows, index: np.ndarray, n: int):
@@ -656,11 +671,11 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
         val = taken.reshape(val_shape)
         if b.has_scale:
             val = val * reshaped(jnp.broadcast_to(b.scale, b.out_shape), tuple(b.out_shape) + (1,) * len(col_shape))
-        return replace(result, val=val.astype(dtype)), cost
+        return replace(result, val=cast(val, dtype)), cost
     block = jnp.moveaxis(block.reshape(tuple(a.out_shape) + (n_cols,)), -1, 0)
     pushed = jax.vmap(b.apply)(block.astype(b.dtype))  # (n_cols,) + w
     val = reshaped(jnp.moveaxis(pushed, 0, -1), val_shape)
-    return replace(result, val=val.astype(dtype)), cost
+    return replace(result, val=cast(val, dtype)), cost
 
 
 # --------------------------------------------------------------------------------------------
@@ -694,7 +709,7 @@ def _sparse_add(x: Sparse, y: Sparse) -> tuple[Sparse, Cost]:
     unpaired = [k for k, p in enumerate(result.pairs) if p is None]
     x, y = x.unpair(unpaired), y.unpair(unpaired)
     dtype = result.dtype
-    xv, yv = (v if v.dtype == dtype else v.astype(dtype) for v in (x.values(), y.values()))
+    xv, yv = (cast(v, dtype) for v in (x.values(), y.values()))
     return replace(result, val=_broadcasting(lax.add, xv, yv)), cost
 
 
