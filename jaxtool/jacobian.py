@@ -19,8 +19,8 @@ def _positions(argnums) -> tuple:
 
 
 def _is_array(x) -> bool:
-    """Whether a traced function may return ``x`` (arrays, tracers and numeric scalars)."""
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+    """Whether ``x`` may pass into or out of ``jax.jit``: an array, a tracer or a numeric scalar."""
+    return hasattr(x, "dtype") or isinstance(x, (bool, int, float, complex))
 
 
 def _trace(fun, args, kwargs, positions, has_aux):
@@ -110,7 +110,7 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     @functools.wraps(fun)
     def jacobian_staged(*args, **kwargs):
         leaves = jax.tree_util.tree_leaves((args, kwargs))
-        if all(hasattr(x, "dtype") or isinstance(x, (int, float, bool)) for x in leaves):
+        if all(_is_array(x) for x in leaves):
             result, arrays = staged(*args, **kwargs)
             if not has_aux:
                 return result

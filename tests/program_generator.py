@@ -1231,14 +1231,7 @@ def check_case(case: Case, n_random: int = 2):
         ref = reference(case)
         if ref is None:
             return None
-        failures = {}
-        for order, jacobian in zip(orders, jacobians):
-            try:
-                problems = compare(jacobian(*case.inputs), ref)
-            except Exception as e:  # noqa: BLE001
-                problems = _crash(e)
-            if problems:
-                failures[label(order)] = problems
+        failures = _order_failures(case, orders, jacobians, ref)
     else:
         if not _finite(ref):
             return None
@@ -1302,16 +1295,22 @@ def _eager_failures(case: Case, n_random: int) -> dict:
             ref = jax.jacrev(case.fun, argnums=case.argnums, has_aux=case.has_aux)(*case.inputs)
         except Exception as e:  # noqa: BLE001 - no eager reference: the jitted verdict stands
             return {"eager jax.jacrev": _crash(e)}
-        failures = {}
-        for order in orders_for(case, n_random):
-            try:
-                jacobian = jaxtool.jacve(case.fun, order=order, argnums=case.argnums, has_aux=case.has_aux)
-                problems = compare(jacobian(*case.inputs), ref)
-            except Exception as e:  # noqa: BLE001
-                problems = _crash(e)
-            if problems:
-                failures[label(order)] = problems
-        return failures
+        orders = orders_for(case, n_random)
+        jacobians = [jaxtool.jacve(case.fun, order=o, argnums=case.argnums, has_aux=case.has_aux) for o in orders]
+        return _order_failures(case, orders, jacobians, ref)
+
+
+def _order_failures(case: Case, orders, jacobians, ref) -> dict:
+    """``label -> problems`` of each order whose Jacobian differs from ``ref`` or crashes."""
+    failures = {}
+    for order, jacobian in zip(orders, jacobians):
+        try:
+            problems = compare(jacobian(*case.inputs), ref)
+        except Exception as e:  # noqa: BLE001 - an engine crash is a finding
+            problems = _crash(e)
+        if problems:
+            failures[label(order)] = problems
+    return failures
 
 
 def check_seed(seed: int, n_random: int = 2, max_ops: int = 25) -> Result:
