@@ -453,11 +453,8 @@ def _contract(operands, specs, out_spec, loop, dtype):
         return _dot([reshaped(v, shape) for v, shape in operands], specs, out_spec, dtype)
     summed = "".join(dict.fromkeys(l for spec in specs for l in spec if l not in out_spec))
     order = out_spec + summed
-    sizes: dict = {}
-    for (_, shape), spec in zip(operands, specs):
-        for letter, n in zip(spec, shape):
-            sizes[letter] = n if sizes.get(letter, 1) == 1 else sizes[letter]  # a 1 broadcasts (also to 0)
-    full = tuple(sizes[l] for l in order)
+    full = functools.reduce(_broadcast_shape, [tuple(dict(zip(spec, shape)).get(l, 1) for l in order)
+                                               for (_, shape), spec in zip(operands, specs)])
     product = None
     for (v, shape), spec in zip(operands, specs):
         perm = sorted(range(len(spec)), key=lambda n: order.index(spec[n]))
@@ -465,12 +462,10 @@ def _contract(operands, specs, out_spec, loop, dtype):
         if perm != list(range(len(spec))):
             v = lax.transpose(v, perm)
         if len(operands) == 1:
-            product = reshaped(v, full)
-        elif tuple(v.shape) == full:
-            product = v if product is None else lax.mul(product, v)
-        else:  # add the missing axes and broadcast in one step
+            v = reshaped(v, full)
+        elif tuple(v.shape) != full:  # add the missing axes and broadcast in one step
             v = lax.broadcast_in_dim(v, full, tuple(order.index(spec[n]) for n in perm))
-            product = v if product is None else lax.mul(product, v)
+        product = v if product is None else lax.mul(product, v)
     if summed:
         product = lax.reduce_sum(product, tuple(range(len(out_spec), len(order))))
     return product
@@ -602,7 +597,7 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         pulled = _scatter_columns(block.reshape(n_rows, _size(a.out_shape)).astype(dtype), a.index.reshape(-1),
                                   _size(a.in_shape))
     else:
-        pulled = jax.vmap(a.apply_t)(block.astype(a.dtype))
+        pulled = jax.vmap(a.apply_t)(cast(block, a.dtype))
     return replace(result, val=cast(reshaped(pulled, val_shape), dtype)), cost
 
 
@@ -673,7 +668,7 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
             val = val * reshaped(jnp.broadcast_to(b.scale, b.out_shape), tuple(b.out_shape) + (1,) * len(col_shape))
         return replace(result, val=cast(val, dtype)), cost
     block = jnp.moveaxis(block.reshape(tuple(a.out_shape) + (n_cols,)), -1, 0)
-    pushed = jax.vmap(b.apply)(block.astype(b.dtype))  # (n_cols,) + w
+    pushed = jax.vmap(b.apply)(cast(block, b.dtype))  # (n_cols,) + w
     val = reshaped(jnp.moveaxis(pushed, 0, -1), val_shape)
     return replace(result, val=cast(val, dtype)), cost
 

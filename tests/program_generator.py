@@ -1217,13 +1217,11 @@ def check_case(case: Case, n_random: int = 2):
     """
     import jax
 
-    import jaxtool
-
     try:
         orders = orders_for(case, n_random)
     except Exception as e:  # noqa: BLE001 - an engine crash is a finding, unless the program is invalid
         return None if reference(case) is None else Result(case, {"trace_problem": _crash(e)})
-    jacobians = [jaxtool.jacve(case.fun, order=o, argnums=case.argnums, has_aux=case.has_aux) for o in orders]
+    jacobians = _jacobians(case, orders)
     jacrev = jax.jacrev(case.fun, argnums=case.argnums, has_aux=case.has_aux)
     try:
         ref, gots = jax.jit(lambda *a: (jacrev(*a), [j(*a) for j in jacobians]))(*case.inputs)
@@ -1237,7 +1235,7 @@ def check_case(case: Case, n_random: int = 2):
             return None
         failures = {label(o): p for o, got in zip(orders, gots) if (p := compare(got, ref))}
     values_only = all(VALUES_DIFFER in p for problems in failures.values() for p in problems)
-    reason = _not_the_engine(case, n_random) if failures and values_only else None
+    reason = _not_the_engine(case, n_random) if failures and values_only else ""
     if reason:
         return Result(case, {}, rounding=failures, reason=reason)
     return Result(case, failures)
@@ -1288,16 +1286,20 @@ def _eager_failures(case: Case, n_random: int) -> dict:
     """
     import jax
 
-    import jaxtool
-
     with jax.disable_jit():
         try:
             ref = jax.jacrev(case.fun, argnums=case.argnums, has_aux=case.has_aux)(*case.inputs)
         except Exception as e:  # noqa: BLE001 - no eager reference: the jitted verdict stands
             return {"eager jax.jacrev": _crash(e)}
         orders = orders_for(case, n_random)
-        jacobians = [jaxtool.jacve(case.fun, order=o, argnums=case.argnums, has_aux=case.has_aux) for o in orders]
-        return _order_failures(case, orders, jacobians, ref)
+        return _order_failures(case, orders, _jacobians(case, orders), ref)
+
+
+def _jacobians(case: Case, orders) -> list:
+    """``jaxtool.jacve`` of the case, one per order."""
+    import jaxtool
+
+    return [jaxtool.jacve(case.fun, order=o, argnums=case.argnums, has_aux=case.has_aux) for o in orders]
 
 
 def _order_failures(case: Case, orders, jacobians, ref) -> dict:
