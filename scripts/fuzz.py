@@ -10,8 +10,10 @@ program in 20 attempts) and the seed of every failure. Exit status 1 if any seed
 A seed whose comparison fails only in values, where ``jax.jacrev`` differentiates another primal
 output than the program computes, or where the comparison passes with both run eagerly
 (``jax.disable_jit``), is *rounding-dependent*, not failed: its program decides a discontinuity (a
-tied sort key, a max) on values that two evaluations round differently
-(``program_generator.check_case``). Such seeds are reported on stderr and listed.
+tied sort key, a max) on values that two evaluations round differently. So is one whose float32
+reference is itself off its float64 value by more than the tolerance (a cancellation), where the
+comparison passes in float64 (``program_generator.check_case``). Such seeds are reported on stderr
+and listed.
 
     python scripts/fuzz.py                   # seeds 0..9999 on every CPU
     python scripts/fuzz.py -n 500 --start 20000 --jobs 2

@@ -165,6 +165,11 @@ def test_differences_of_values_cleared_by_a_second_opinion_are_rounding(monkeypa
     assert result.reason == "jacve and jax.jacrev agree when both run eagerly"
     monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: True)
     assert "primal output" in pg.check_case(small_case, 1).reason
+    monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: False)
+    monkeypatch.setattr(pg, "_eager_failures", lambda case, n: {"fwd": ["still differs"]})
+    monkeypatch.setattr(pg, "_float32_reference_is_noise", lambda case: True)
+    monkeypatch.setattr(pg, "_float64_failures", lambda case, n: {})
+    assert "agree in float64" in pg.check_case(small_case, 1).reason
 
 
 def test_differences_no_second_opinion_clears_are_failures(monkeypatch, small_case):
@@ -173,6 +178,13 @@ def test_differences_no_second_opinion_clears_are_failures(monkeypatch, small_ca
     monkeypatch.setattr(pg, "_eager_failures", lambda case, n: {"fwd": ["still differs"]})
     result = pg.check_case(small_case, 1)
     assert not result.ok and not result.rounding
+    # float64 agreement clears nothing unless the float32 reference is itself noise, and vice versa
+    monkeypatch.setattr(pg, "_float32_reference_is_noise", lambda case: False)
+    monkeypatch.setattr(pg, "_float64_failures", lambda case, n: {})
+    assert not pg.check_case(small_case, 1).ok
+    monkeypatch.setattr(pg, "_float32_reference_is_noise", lambda case: True)
+    monkeypatch.setattr(pg, "_float64_failures", lambda case, n: {"fwd": ["still differs"]})
+    assert not pg.check_case(small_case, 1).ok
     # a crash or a wrong shape is never a rounding artefact, whatever the second opinions say
     monkeypatch.setattr(pg, "_eager_failures", lambda case, n: {})
     monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: True)
@@ -187,6 +199,7 @@ def test_second_opinions_on_a_correct_and_a_wrong_engine(monkeypatch, small_case
 
     assert not pg._reference_branch_differs(small_case)
     assert pg._eager_failures(small_case, 1) == {}
+    assert pg._float64_failures(small_case, 1) == {}
     real = jaxtool.jacve
 
     def doubled(*args, **kwargs):  # jaxtool's own engine made wrong on purpose
@@ -195,6 +208,19 @@ def test_second_opinions_on_a_correct_and_a_wrong_engine(monkeypatch, small_case
 
     monkeypatch.setattr(jaxtool, "jacve", doubled)
     assert set(pg._eager_failures(small_case, 1)) == {pg.label(o) for o in pg.orders_for(small_case, 1)}
+    assert len(pg._float64_failures(small_case, 1)) == 3 + 1  # fwd, rev, markowitz, one random order
+
+
+def test_float32_reference_that_cancels_is_noise(small_case):
+    """sin(100 (x + 1000) - 1e5): x + 1000 rounds by up to 3e-5 in float32, so the argument of sin is
+    off by up to 3e-3 and the derivative 100 cos(...) by up to 0.3, far beyond the checker's tolerance
+    (1e-5 of the block's scale, 100); in float64 the same rounding is 1e-9 times smaller."""
+    import jax.numpy as jnp
+
+    cancelling = pg.Case(0, 0, (np.float32([0.123, 0.456]),), 0, False, [], "",
+                         fun=lambda x: jnp.sin(100 * (x + 1000) - 1e5))
+    assert pg._float32_reference_is_noise(cancelling)
+    assert not pg._float32_reference_is_noise(small_case)
 
 
 # ------------------------------------------------------------------------------------------------
