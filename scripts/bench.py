@@ -89,7 +89,9 @@ Every jacve Jacobian is checked against `jax.jacrev`'s (last column of the opera
   floor* column is timed alongside: a jitted function of the same arguments that returns the
   Jacobian's pytree filled with one argument value, i.e. what any call returning that many arrays
   costs without arithmetic. Where a Jacobian's time is close to its floor, the call is dispatch and
-  output overhead and the ratio cannot show a faster computation.
+  output overhead and the ratio cannot show a faster computation. The *floor bound* column is the
+  floor over the faster of `jax.jacfwd` and `jax.jacrev`: the ratio a Jacobian that cost nothing
+  beyond its call floor would get, the lowest any engine returning `jax.jacrev`'s pytree can reach.
 - *Batched*: the same for `jax.jit(jax.vmap(jacobian))` over B points (every differentiated argument
   batched; the points are the example point times `1 + 0.01 * N(0, 1)` noise, seed 0), with Cb
   calls per round, or fewer (at least one) for a competitor whose Cb calls would take over 0.25 s.
@@ -342,21 +344,30 @@ def speed_ratio(times: dict) -> float:
     return times[f"jacve {best_order(times)}"] / min(times[c] for c in JAX_COMPETITORS)
 
 
+def floor_bound(times: dict, floor: float) -> float:
+    """The call floor over the faster of jax.jacfwd and jax.jacrev: the lowest reachable ratio."""
+    return floor / min(times[c] for c in JAX_COMPETITORS)
+
+
 def timing_table(results, key: str, unit: str, floor: bool = False) -> list:
     """One row per program: each competitor's time, the best jacve order and the ratio; with
-    ``floor``, also the call floor (:func:`call_floor`) as the last column."""
+    ``floor``, also the call floor (:func:`call_floor`) and the floor bound (:func:`floor_bound`)."""
     header = "| program | " + " | ".join(f"`{c}`" for c in COMPETITORS) + " | best jacve | ratio |"
-    lines = [header + (f" {FLOOR} |" if floor else ""), "|---" * (len(COMPETITORS) + 3 + floor) + "|"]
-    ratios = []
+    lines = [header + (f" {FLOOR} | floor bound |" if floor else ""),
+             "|---" * (len(COMPETITORS) + 3 + 2 * floor) + "|"]
+    ratios, bounds = [], []
     for r in results:
         times = getattr(r, key)
         ratio = speed_ratio(times)
         ratios.append(ratio)
         cells = [_time(times[c], unit) for c in COMPETITORS]
-        lines.append(f"| {r.name} | " + " | ".join(cells) + f" | {best_order(times)} | {ratio:.2f} |"
-                     + (f" {_time(r.floor, unit)} |" if floor else ""))
+        row = f"| {r.name} | " + " | ".join(cells) + f" | {best_order(times)} | {ratio:.2f} |"
+        if floor:
+            bounds.append(floor_bound(times, r.floor))
+            row += f" {_time(r.floor, unit)} | {bounds[-1]:.2f} |"
+        lines.append(row)
     lines.append("| **geo. mean** |" + " |" * (len(COMPETITORS) + 1) + f" **{geomean(ratios):.2f}** |"
-                 + (" |" if floor else ""))
+                 + (f" | **{geomean(bounds):.2f}** |" if floor else ""))
     return lines
 
 

@@ -103,9 +103,12 @@ def test_markdown_report(bench, measured):
         expected = times[f"`jacve {best}`"] / min(times["`jax.jacfwd`"], times["`jax.jacrev`"])
         assert math.isclose(ratio, expected, rel_tol=0.05, abs_tol=0.01)  # shown times are rounded
         assert ratio == pytest.approx(bench.speed_ratio(getattr(result, key)), abs=0.006)
-        if key == "run":  # the call floor is the last column of the point table only
-            assert header[-1] == "call floor" and float(row[-1]) == pytest.approx(result.floor * unit, rel=0.01)
-            header, row, mean = header[:-1], row[:-1], mean[:-1]
+        if key == "run":  # the call floor and the floor bound are the last columns of the point table only
+            assert header[-2:] == ["call floor", "floor bound"]
+            assert float(row[-2]) == pytest.approx(result.floor * unit, rel=0.01)
+            bound = result.floor / min(result.run[c] for c in bench.JAX_COMPETITORS)
+            assert float(row[-1]) == pytest.approx(bound, abs=0.006) and mean[-1] == f"**{row[-1]}**"
+            header, row, mean = header[:-2], row[:-2], mean[:-2]
         else:
             assert len(header) == 8
         assert mean[0] == "**geo. mean**" and mean[-1] == f"**{row[7]}**"  # one program: the mean is its ratio
