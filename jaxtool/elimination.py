@@ -19,11 +19,13 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from jaxtool.errors import UnsupportedError, UsageError
+from jaxtool.errors import UsageError
 from jaxtool.graph import Const, FlatProgram, Input, evaluate, flatten, read
 from jaxtool.partials import Cost, Partial, Sparse, add, cast, matmul, reshaped
-from jaxtool.rules import cuts_derivative, is_differentiable, partials_of
+from jaxtool.rules import carries_tangent, cuts_derivative, is_differentiable, partials_of, tangent_dtype, \
+    tangent_shape
 
 
 def input_node(index: int) -> int:
@@ -132,16 +134,7 @@ def build(program: FlatProgram, args, wrt) -> Problem:
     active = {input_node(i) for i in wrt}
     for eqn in program.eqns:
         if any(_node(a) in active for a in eqn.invars):
-            for v in eqn.outvars:
-                aval = program.avals[v]
-                if is_differentiable(aval):
-                    active.add(v)
-                elif jnp.issubdtype(aval.dtype, jnp.complexfloating):
-                    from jaxtool.source import location
-
-                    raise UnsupportedError(f"complex-valued result of '{eqn.name}' ({aval.str_short()}) depends on "
-                                           "a differentiated input; jaxtool differentiates real-valued programs only",
-                                           primitive=eqn.name, location=location(eqn.source_info))
+            active.update(v for v in eqn.outvars if carries_tangent(program.avals[v]))
     out_nodes = [_node(a) for a in program.outvars]
     useful = {v for v in out_nodes if v is not None}
     for eqn in reversed(program.eqns):
@@ -168,7 +161,8 @@ def build(program: FlatProgram, args, wrt) -> Problem:
         if v is not None and v > 0 and graph.succs.get(v):
             if v not in sinks:
                 sinks[v] = n + 1 + len(sinks)
-                graph.add_edge(v, sinks[v], Sparse.identity(program.avals[v].shape, program.avals[v].dtype))
+                aval = program.avals[v]
+                graph.add_edge(v, sinks[v], Sparse.identity(tangent_shape(aval), tangent_dtype(aval)))
             outputs.append(sinks[v])
         elif v is None:
             outputs.append(program.outvars[len(outputs)])
@@ -190,7 +184,11 @@ def run(problem: Problem, order) -> Cost:
 
 
 def blocks(problem: Problem) -> list:
-    """The Jacobian as dense blocks ``[output][wrt input]``, each ``out.shape + in.shape``."""
+    """The Jacobian as dense blocks ``[output][wrt input]``, each ``out.shape + in.shape``.
+
+    A complex output's blocks are complex, ``d real/dx + 1j d imag/dx``, as ``jax.jacfwd`` gives
+    them (``jax.jacrev`` rejects complex outputs).
+    """
     program = problem.program
     result = []
     for out, out_aval in zip(problem.outputs, problem.out_avals):
@@ -206,6 +204,9 @@ def blocks(problem: Problem) -> list:
             partial = None if isinstance(out, Const) else problem.graph.preds.get(out, {}).get(input_node(i))
             if partial is None:
                 row.append(jnp.zeros(shape, dtype))
+            elif jnp.issubdtype(dtype, jnp.complexfloating):  # (real, imaginary) on the axis after out.shape
+                pairs = jnp.moveaxis(partial.to_dense(), len(out_aval.shape), 0)
+                row.append(reshaped(lax.complex(pairs[0], pairs[1]).astype(dtype), shape))
             else:
                 row.append(reshaped(cast(partial.to_dense(), dtype), shape))
         result.append(row)
@@ -213,8 +214,8 @@ def blocks(problem: Problem) -> list:
 
 
 def _block_dtype(out_aval, in_aval):
-    """``jax.jacrev``'s dtype for a block: the differentiated input's."""
-    return in_aval.dtype
+    """``jax.jacrev``'s dtype for a block: the differentiated input's (a complex output's own)."""
+    return out_aval.dtype if jnp.issubdtype(out_aval.dtype, jnp.complexfloating) else in_aval.dtype
 
 
 def linear_partials(fn, primals, tangents, wrt, outs) -> list:

@@ -55,7 +55,8 @@ class Block:
         """Largest absolute entry (NaN if any entry is NaN; 0 for an empty block)."""
         if self.values.size == 0:
             return 0.0
-        return float(np.max(np.abs(self.values.astype(np.float64))))
+        values = self.values if np.iscomplexobj(self.values) else self.values.astype(np.float64)
+        return float(np.max(np.abs(values)))
 
 
 @dataclass(frozen=True)
@@ -231,9 +232,12 @@ def _json_number(value, dtype=np.dtype(np.float64)):
 
 
 def _json_values(values: np.ndarray):
-    """A block's entries as nested lists (its ``out.shape + in.shape``); non-finite entries as ``None``."""
+    """A block's entries as nested lists (its ``out.shape + in.shape``); non-finite entries as ``None``;
+    complex entries as ``[real, imaginary]`` pairs."""
     if values.dtype.kind in "biu":
         return values.tolist()
+    if np.iscomplexobj(values):
+        return _json_values(np.stack([values.real, values.imag], axis=-1))
     flat = [_json_number(x, values.dtype) for x in values.astype(np.float64).ravel()]
     return np.array(flat, dtype=object).reshape(values.shape).tolist()
 

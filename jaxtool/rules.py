@@ -10,7 +10,8 @@ tangent of ones gives the diagonal of an elementwise primitive exactly as ``jax.
 ties of ``max``/``min`` included); the rules here add the *structure* that keeps partials small.
 Primitives without a structured rule become one opaque vertex whose partials are the primitive's
 JVP (or, for ``custom_vjp``, its VJP) applied lazily: correct for everything JAX can differentiate,
-and reported as opaque by the counters.
+and reported as opaque by the counters. So do equations that read or make complex values, whose
+vertices are (real, imaginary) pairs (:func:`complex_partials`).
 """
 
 from __future__ import annotations
@@ -42,12 +43,36 @@ def register(*primitives):
 
 
 def is_differentiable(aval) -> bool:
-    """Whether values of this type carry a derivative (real floating point)."""
+    """Whether values of this type can be differentiated with respect to (real floating point)."""
     return jnp.issubdtype(aval.dtype, jnp.floating)
+
+
+def _is_complex(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.complexfloating)
+
+
+def carries_tangent(aval) -> bool:
+    """Whether values of this type carry a derivative through the graph: real or complex floating
+    point (a complex value is a vertex of (real, imaginary) pairs, see :func:`tangent_shape`)."""
+    return is_differentiable(aval) or _is_complex(aval)
+
+
+def tangent_shape(aval) -> tuple:
+    """The shape of a value's vertex in the graph: a complex value's has a last axis of 2 (real,
+    imaginary part), so that every partial is a real matrix (complex maps such as ``conj`` or
+    ``abs`` are real-linear, not complex-linear)."""
+    return tuple(aval.shape) + ((2,) if _is_complex(aval) else ())
+
+
+def tangent_dtype(aval) -> np.dtype:
+    """The dtype of a value's vertex in the graph: a complex value's is that of its parts."""
+    return np.dtype(jnp.finfo(aval.dtype).dtype) if _is_complex(aval) else np.dtype(aval.dtype)
 
 
 def partials_of(eqn: FlatEqn, invals, outvals, wrt) -> list:
     """The structured partials of one equation (see module docstring)."""
+    if any(_is_complex(jax.typeof(x)) for x in [invals[i] for i in wrt] + list(outvals)):
+        return complex_partials(eqn, invals, outvals, wrt)
     rule = RULES.get(eqn.primitive, opaque)
     return rule(eqn, invals, outvals, wrt)
 
@@ -76,7 +101,7 @@ def _jvp_at(eqn, invals, i, t):
 
 def _zero_tangent(x):
     aval = jax.typeof(x)
-    if is_differentiable(aval):
+    if carries_tangent(aval):
         return jnp.zeros(aval.shape, aval.dtype)
     return np.zeros(aval.shape, jax.dtypes.float0)
 
@@ -511,6 +536,47 @@ def custom_vjp(eqn, invals, outvals, wrt):
 
             result.append((i, k, Linear(_shape(y), _shape(invals[i]), np.dtype(jax.typeof(y).dtype),
                                         fn_t=fn_t, opaque=True)))
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# complex values: real pairs, one opaque vertex per equation
+
+
+def complex_partials(eqn, invals, outvals, wrt):
+    """Partials of an equation that reads or makes complex values, between (real, imaginary) pairs.
+
+    JAX's JVP of a complex function is real-linear in the tangent, so with complex tangents split
+    into pairs (:func:`tangent_shape`) each partial is a real linear map, applied lazily like an
+    opaque equation's. The equation's own structure is not kept.
+    """
+    from jaxtool.source import location
+
+    outs = [k for k, y in enumerate(outvals) if carries_tangent(jax.typeof(y))]
+    result = []
+    for i in wrt:
+        x_aval = jax.typeof(invals[i])
+        try:
+            jax.eval_shape(lambda t: _jvp_at(eqn, invals, i, t), jnp.zeros(x_aval.shape, x_aval.dtype))
+        except Exception as e:  # noqa: BLE001 - JAX has no forward rule here
+            raise UnsupportedError(f"cannot differentiate primitive '{eqn.name}' on complex values: "
+                                   f"{str(e).splitlines()[0]}", primitive=eqn.name,
+                                   location=location(eqn.source_info)) from e
+        for k in outs:
+            y_aval = jax.typeof(outvals[k])
+            dtype = np.result_type(tangent_dtype(x_aval), tangent_dtype(y_aval))
+
+            def fn(t, i=i, k=k, x_aval=x_aval, dtype=dtype):
+                if _is_complex(x_aval):
+                    t = jax.lax.complex(t[..., 0], t[..., 1])
+                out = _jvp_at(eqn, invals, i, t.astype(x_aval.dtype))[k]
+                if _is_complex(jax.typeof(out)):
+                    out = jnp.stack([jnp.real(out), jnp.imag(out)], axis=-1)
+                return out.astype(dtype)
+
+            n_out = int(np.prod(tangent_shape(y_aval)))
+            result.append((i, k, Linear(tangent_shape(y_aval), tangent_shape(x_aval), dtype, fn=fn,
+                                        flops=n_out, opaque=True)))
     return result
 
 

@@ -10,7 +10,8 @@ The operations cover elementwise math, broadcasting, reductions, slicing, gather
 concatenation, reshapes, contractions, cumulative ops, sorting, integer values (iota, argsort,
 comparisons), closed-over NumPy constants, ``stop_gradient``, ``custom_jvp``/``custom_vjp``
 functions, nested ``jit``/``checkpoint``, ``lax.cond``/``switch``/``scan``/``fori_loop`` and a
-little linear algebra. Every value carries an upper bound on its magnitude; an operation that
+little linear algebra, and complex intermediates (FFTs, complex products,
+``conj``/``abs``/``angle``). Every value carries an upper bound on its magnitude; an operation that
 could push a bound past :data:`BOUND_LIMIT` reads its operands through ``tanh``, so values (and
 Jacobians) stay finite and moderate.
 
@@ -886,7 +887,7 @@ SCAN_BODIES = [
 
 
 def op_control(b: _Builder) -> bool:
-    """``lax.cond``, ``lax.scan``, ``lax.map``, ``associative_scan`` and a little linear algebra."""
+    """``lax.cond``, ``lax.scan``, ``lax.map``, ``associative_scan`` and a little linear algebra, and complex intermediates (FFTs, complex products, ``conj``/``abs``/``angle``)."""
     rng = b.rng
     kind = rng.choice(["cond", "scan", "scan", "map", "assoc_scan", "solve", "det", "inv", "cholesky", "eigvalsh"])
     if kind == "cond":
@@ -978,10 +979,33 @@ def op_higher_order(b: _Builder) -> bool:
     return True
 
 
+def op_complex(b: _Builder) -> bool:
+    """Complex intermediates with a real result: FFTs, complex products, ``conj``, ``abs``, ``angle``."""
+    var = b.pick(b.floats())
+    if var is None:
+        return False
+    a, bound = b.operand(var, 5.0)
+    n = var.shape[-1] if var.shape else 1
+    vector_forms = [
+        (f"jnp.abs(jnp.fft.fft({a}) + 0.5j)", bound * n + 0.5),
+        (f"jnp.fft.irfft(jnp.fft.rfft({a}) * (0.5 - 1.0j), n={n})", 1.2 * bound * n),
+        (f"jnp.real(jnp.fft.ifft(jnp.fft.fft({a}) * jnp.conj(jnp.fft.fft(jnp.sin({a})))))", bound * n),
+    ] if var.shape else []
+    expr, out_bound = b.rng.choice(vector_forms + [
+        (f"jnp.abs({a} * (1.0 + 2.0j) + 3.0j)", 3 * bound + 3),  # |.| >= 1.3: smooth
+        (f"jnp.angle(jnp.exp(0.5j * {a}) * (2.0 + 1.0j))", 3.2),  # the angle stays inside (-pi, pi)
+        (f"jnp.imag(jnp.conj({a} + 1.0j) * jnp.exp(1.0j * {a}))", bound + 1),
+        (f"lax.scan(lambda c, t: (c * (0.5 + 0.5j) + t, jnp.real(c * t)), 0.0j, {a}.reshape(-1))[0].real"
+         f" * jnp.ones_like({a})", 2 * bound),
+    ])
+    b.add(expr, var.shape, bound=out_bound, tag="complex:" + expr.split("(")[0])
+    return True
+
+
 OPS = [
     (op_unary, 8), (op_binary, 8), (op_constant, 2), (op_reduce, 4), (op_slice, 3), (op_gather_scatter, 3),
     (op_matrix_structure, 2), (op_concat, 2), (op_reshape, 2), (op_contract, 4), (op_cumulative, 2),
-    (op_sort, 2), (op_integer, 3), (op_control, 2), (op_window_update, 1), (op_higher_order, 1),
+    (op_sort, 2), (op_integer, 3), (op_control, 2), (op_window_update, 1), (op_higher_order, 1), (op_complex, 1),
 ]
 
 

@@ -16,7 +16,7 @@ from jax import lax
 import jaxtool
 from jaxtool import partials
 from jaxtool.elimination import blocks, run
-from jaxtool.errors import OrderError, UnsupportedError
+from jaxtool.errors import OrderError, UnsupportedError, UsageError
 from jaxtool.jacobian import trace_problem
 from jaxtool.orders import resolve_order
 from jaxtool.partials import Linear, Sparse
@@ -236,6 +236,69 @@ def test_reduce_precision_follows_its_jvp_rule():
     assert not np.allclose(forward, reverse, rtol=1e-4, atol=0)
     for order in ("fwd", "rev", "markowitz"):
         np.testing.assert_array_equal(jaxtool.jacve(f, order=order)(x), forward)
+
+
+COMPLEX_CONSTANT = np.array([1 + 2j, 3 - 1j, 0.5j, 2.0, -1j, 0.25], np.complex64)
+
+
+def _complex_scan(x):
+    def step(carry, xi):
+        carry = carry * (0.6 + 0.5j) + xi * COMPLEX_CONSTANT[0]
+        return carry, jnp.abs(carry)
+
+    last, moduli = lax.scan(step, jnp.complex64(0), x)
+    return jnp.real(last) + moduli.sum()
+
+
+#: real -> real programs with complex intermediates (each primitive's JVP is only real-linear:
+#: conj, abs, real, imag, angle), compared with jax.jacrev
+COMPLEX_CASES = {
+    "fft_power": lambda x: jnp.abs(jnp.fft.fft(x)) ** 2,
+    "rfft_filter": lambda x: jnp.fft.irfft(jnp.fft.rfft(x) * (1 + 2j), n=6),
+    "conj_product": lambda x: jnp.real(jnp.conj(x * (1 + 1j)) * (x + 2j)),
+    "angle": lambda x: jnp.angle(x + 1j * x ** 2),
+    "closed_over_constant": lambda x: jnp.abs(x * COMPLEX_CONSTANT + COMPLEX_CONSTANT[::-1] * x ** 2),
+    "scan_carry": _complex_scan,
+    "cond": lambda x: lax.cond(x[0] > 0, lambda y: jnp.real(y * 1j + y ** 2), jnp.imag, x.astype(jnp.complex64)),
+    "eigenvalues": lambda x: jnp.sort(jnp.real(jnp.linalg.eigvals(jnp.outer(x, x[::-1]) + jnp.eye(6)))),
+    "matmul_modulus": lambda x: jnp.abs(jnp.outer(x, x).astype(jnp.complex64) @ (x + 1j)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPLEX_CASES))
+def test_complex_intermediates_match_jacrev(name):
+    f = COMPLEX_CASES[name]
+    want = jax.jacrev(f)(X)
+    for order in ("fwd", "rev", "markowitz"):
+        assert_same_jacobian(jaxtool.jacve(f, order=order)(X), want, rtol=1e-5, atol=1e-5)
+    assert_orders_match(f, (X,), 0, want, lambda problem: random_orders(problem, 3, name), rtol=1e-5, atol=1e-5)
+
+
+def test_complex_outputs_and_aux_follow_jacfwd():
+    # jax.jacrev rejects complex outputs; jaxtool gives jax.jacfwd's complex blocks (d re + 1j d im)
+    f = lambda x: (jnp.fft.fft(x) * x, {"spectrum": jnp.fft.fft(x)})  # noqa: E731
+    want = jax.jacfwd(lambda x: f(x)[0])(X)
+    for order in ("fwd", "rev", "markowitz"):
+        jacobian, aux = jaxtool.jacve(f, order=order, has_aux=True)(X)
+        assert jacobian.dtype == jnp.complex64
+        assert_same_jacobian(jacobian, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(aux["spectrum"], jnp.fft.fft(X))
+    g = COMPLEX_CASES["fft_power"]
+    batch = jnp.stack([X, 2 * X])
+    np.testing.assert_allclose(jax.jit(jax.vmap(jaxtool.jacve(g)))(batch), jax.vmap(jax.jacrev(g))(batch),
+                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(jax.jacfwd(jaxtool.jacve(g))(X), jax.hessian(g)(X), rtol=1e-4, atol=1e-3)
+    with pytest.raises(UsageError, match="complex64"):  # complex inputs, as jax.jacrev without holomorphic=True
+        jaxtool.jacve(jnp.abs)(X + 1j)
+
+
+def test_complex_x64():
+    with jax.enable_x64(True):
+        x = np.linspace(0.1, 1.2, 6)
+        f = COMPLEX_CASES["rfft_filter"]
+        got = jaxtool.jacve(f, order="markowitz")(x)
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(got, jax.jacrev(f)(x), rtol=1e-10, atol=1e-10)
 
 
 def test_composes_with_jit_vmap_and_second_derivatives():

@@ -257,11 +257,12 @@ def test_ci_seeds_cover_the_operations_of_the_brief():
         sources.append(case.source)
     families = {t.split(":")[0] for t in tags}
     assert {"unary", "binary", "const", "reduce", "slice", "gather", "scatter", "structure", "concat", "stack",
-            "reshape", "contract", "cum", "sort", "int", "control", "linalg"} <= families
+            "reshape", "contract", "cum", "sort", "int", "control", "linalg", "complex"} <= families
     needed = ["control:scan", "control:cond", "unary:jax.nn.relu(x)", "unary:jax.nn.softplus(x)",
               "reduce:softmax", "unary:cube(x)", "unary:sin_vjp(x)", "unary:lax.stop_gradient(x)", "scatter:add",
               "scatter:set", "int:argsort", "int:compare_cast", "unary:x * x", "contract:jnp.outer(x, x)",
-              "contract:x @ x.T", "unary:jax.jit(lambda x: jnp.tanh(x) * x + 1.0)(x)"]
+              "contract:x @ x.T", "unary:jax.jit(lambda x: jnp.tanh(x) * x + 1.0)(x)", "complex:jnp.abs",
+              "complex:lax.scan"]
     assert not [t for t in needed if t not in tags]
     text = "\n".join(sources)
     assert "np.array(" in text and "return {" in text and "return [" in text and "return (" in text

@@ -264,6 +264,22 @@ def test_check_reports_an_unavailable_reference(capsys):
     assert "check passed" in out
 
 
+def test_complex_output_checks_against_jacfwd(capsys, tmp_path):
+    code, out, err = jac(capsys, f"{FIXTURES}:spectrum", "--check", "--save", str(tmp_path / "j.npz"))
+    assert code == 0, err
+    assert "check vs jax.jacrev: unavailable (TypeError: jacrev requires real-valued outputs" in out
+    assert re.search(r"^check vs jax\.jacfwd: max abs error \S+, max rel error \S+  ok$", out, re.M)
+    assert "check passed (rtol 0.0001, atol 1e-05)" in out  # complex64: float32's tolerances
+    loaded = load_target(f"{FIXTURES}:spectrum", ())
+    saved = np.load(tmp_path / "j.npz")["jac_0_0"]
+    assert saved.dtype == np.complex64
+    np.testing.assert_allclose(saved, jax.jacfwd(loaded.fn)(*loaded.args), rtol=1e-5, atol=1e-6)
+    [block] = jac_json(capsys, f"{FIXTURES}:spectrum")["blocks"]
+    assert block["dtype"] == "complex64" and block["max_abs"] == pytest.approx(np.abs(saved).max(), rel=1e-6)
+    np.testing.assert_allclose(np.array(block["values"])[..., 0] + 1j * np.array(block["values"])[..., 1], saved,
+                               rtol=1e-6)
+
+
 def test_x64_tightens_default_tolerances(capsys):
     code, out, err = jac(capsys, ELEMENTWISE, "f64[5]", "--check", global_args=("--x64",))
     assert code == 0, err

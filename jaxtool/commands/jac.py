@@ -188,15 +188,16 @@ def _check(traced, leaves, wrt, blocks, rtol, atol):
     import numpy as np
 
     from jaxtool.report import Check, Comparison
-    from jaxtool.rules import is_differentiable
+    from jaxtool.rules import carries_tangent, tangent_dtype
     from jaxtool.source import exception_message
 
-    outs = [i for i, aval in enumerate(traced.out_avals) if is_differentiable(aval)]
+    # complex outputs too: jax.jacrev then reports itself unavailable, jax.jacfwd compares
+    outs = [i for i, aval in enumerate(traced.out_avals) if carries_tangent(aval)]
     if not outs:
         raise UsageError("--check: no output has a derivative (all outputs are integer or boolean)")
     skipped = tuple(traced.out_names[i] for i in range(len(traced.out_avals)) if i not in outs)
     n = len(wrt)
-    itemsize = min(traced.out_avals[i].dtype.itemsize for i in outs)
+    itemsize = min(tangent_dtype(traced.out_avals[i]).itemsize for i in outs)  # complex64: float32's
     default_rtol, default_atol = DEFAULT_TOLERANCES.get(itemsize, DEFAULT_TOLERANCES[4])
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
@@ -232,8 +233,9 @@ def _errors(ours, reference, rtol: float, atol: float):
     """(largest absolute error, largest relative error where ``|reference| > atol``, whether all entries pass)."""
     import numpy as np
 
-    a = np.asarray(ours, np.float64)
-    b = np.asarray(reference, np.float64)
+    wide = np.complex128 if np.iscomplexobj(ours) or np.iscomplexobj(reference) else np.float64
+    a = np.asarray(ours, wide)
+    b = np.asarray(reference, wide)
     if a.size == 0:
         return 0.0, 0.0, True
     with np.errstate(invalid="ignore", divide="ignore"):
