@@ -543,13 +543,25 @@ def custom_vjp(eqn, invals, outvals, wrt):
 # complex values: real pairs, one opaque vertex per equation
 
 
+COMPLEX_ELEMENTWISE = {*ELEMENTWISE, P.add_p, P.sub_p, P.neg_p, P.mul_p, P.div_p, P.real_p, P.imag_p,
+                       P.conj_p, P.complex_p, P.convert_element_type_p, P.copy_p}
+
+
+def _as_pairs(y):
+    """A tangent as the graph holds it: complex values as (real, imaginary) on a last axis."""
+    return jnp.stack([jnp.real(y), jnp.imag(y)], axis=-1) if _is_complex(jax.typeof(y)) else y
+
+
 def complex_partials(eqn, invals, outvals, wrt):
     """Partials of an equation that reads or makes complex values, between (real, imaginary) pairs.
 
     JAX's JVP of a complex function is real-linear in the tangent, so with complex tangents split
-    into pairs (:func:`tangent_shape`) each partial is a real linear map, applied lazily like an
-    opaque equation's. The equation's own structure is not kept.
+    into pairs (:func:`tangent_shape`) each partial is a real linear map. An elementwise primitive's
+    is block-diagonal: per element a 2x2 (complex to complex), 2x1 or 1x2 block from the JVPs along
+    tangents of ones and of ``1j``; any other equation's is applied lazily like an opaque one's.
     """
+    if eqn.primitive in COMPLEX_ELEMENTWISE and all(_shape(invals[i]) == _shape(outvals[0]) for i in wrt):
+        return _complex_elementwise(eqn, invals, outvals, wrt)
     from jaxtool.source import location
 
     outs = [k for k, y in enumerate(outvals) if carries_tangent(jax.typeof(y))]
@@ -569,14 +581,27 @@ def complex_partials(eqn, invals, outvals, wrt):
             def fn(t, i=i, k=k, x_aval=x_aval, dtype=dtype):
                 if _is_complex(x_aval):
                     t = jax.lax.complex(t[..., 0], t[..., 1])
-                out = _jvp_at(eqn, invals, i, t.astype(x_aval.dtype))[k]
-                if _is_complex(jax.typeof(out)):
-                    out = jnp.stack([jnp.real(out), jnp.imag(out)], axis=-1)
-                return out.astype(dtype)
+                return _as_pairs(_jvp_at(eqn, invals, i, t.astype(x_aval.dtype))[k]).astype(dtype)
 
             n_out = int(np.prod(tangent_shape(y_aval)))
             result.append((i, k, Linear(tangent_shape(y_aval), tangent_shape(x_aval), dtype, fn=fn,
                                         flops=n_out, opaque=True)))
+    return result
+
+
+def _complex_elementwise(eqn, invals, outvals, wrt):
+    y_aval = jax.typeof(outvals[0])
+    shape = tuple(y_aval.shape)
+    result = []
+    for i in wrt:
+        x_aval = jax.typeof(invals[i])
+        units = (1, 1j) if _is_complex(x_aval) else (1,)
+        columns = [_as_pairs(_jvp_at(eqn, invals, i, jnp.full(shape, u, x_aval.dtype))[0]) for u in units]
+        val = jnp.stack(columns, axis=-1) if _is_complex(x_aval) else columns[0]
+        dtype = np.result_type(tangent_dtype(x_aval), tangent_dtype(y_aval))
+        pairs = tuple(range(len(shape))) + ((None,) if _is_complex(y_aval) else ())
+        result.append((i, 0, Sparse(tangent_shape(y_aval), tangent_shape(x_aval), pairs, tuple(val.shape), dtype,
+                                    val.astype(dtype))))
     return result
 
 

@@ -328,6 +328,20 @@ def test_elementwise_chain_of_a_million_stays_diagonal():
     assert partial.stored == n  # one value per element, never n*n
 
 
+def test_complex_elementwise_chain_stays_block_diagonal():
+    # x -> x (1+2j) -> exp(.) -> conj -> abs: per element a 2x1, 2x2, 2x2 and 1x2 block
+    n = 100_000
+    f = lambda x: jnp.abs(jnp.conj(jnp.exp(x * (1.0 + 2.0j))))  # noqa: E731
+    x = jnp.linspace(-1.0, 1.0, n)
+    problem = trace_problem(f, x)
+    assert all(isinstance(p, Sparse) for preds in problem.graph.preds.values() for p in preds.values())
+    run(problem, resolve_order("fwd", problem))
+    partial = problem.graph.preds[problem.outputs[0]][-1]
+    assert isinstance(partial, Sparse) and partial.pairs == (0,) and partial.stored == n
+    small = x[:7]
+    np.testing.assert_allclose(jaxtool.jacve(f, order="fwd")(small), jax.jacrev(f)(small), rtol=1e-5, atol=1e-6)
+
+
 def test_custom_jvp_rules_keep_their_structure():
     relu = trace_problem(lambda x: jax.nn.relu(x), M)
     (partial,) = relu.graph.preds[relu.outputs[0]].values()
