@@ -112,6 +112,10 @@ class Problem:
     eliminable: tuple  # vertex numbers an order must list (all but outputs no equation reads)
     out_avals: tuple
     out_values: tuple = ()  # the program's primal outputs
+    #: ``(vertex, primitive name)`` of the vertices whose partials are JAX's AD of their whole
+    #: equation (control flow, complex FFTs, ...): the counts take each application of such a
+    #: partial as one multiplication per element of the equation's differentiable results
+    opaque: tuple = ()
 
     def plan(self) -> "Problem":
         """A copy whose partials carry structure only: for costing orders."""
@@ -143,6 +147,7 @@ def build(program: FlatProgram, args, wrt) -> Problem:
     live = active & useful
 
     graph = EdgeGraph()
+    opaque = {}
     for eqn in program.eqns:
         positions = [i for i, a in enumerate(eqn.invars) if _node(a) in live]
         if not positions or not any(v in live for v in eqn.outvars):
@@ -153,6 +158,8 @@ def build(program: FlatProgram, args, wrt) -> Problem:
             v = eqn.outvars[k]
             if v in live:
                 graph.add_edge(_node(eqn.invars[i]), v, partial)
+                if getattr(partial, "opaque", False):
+                    opaque[v] = eqn.name
 
     # an output that later equations read gets a sink copy, so that it is eliminated like any intermediate
     outputs = []
@@ -172,7 +179,7 @@ def build(program: FlatProgram, args, wrt) -> Problem:
     eliminable = tuple(v for v in range(1, n + 1) if v not in pure_outputs)
     out_avals = tuple(program.aval(a) for a in program.outvars)
     out_values = tuple(read(a, args, values) for a in program.outvars)
-    return Problem(program, graph, wrt, tuple(outputs), eliminable, out_avals, out_values)
+    return Problem(program, graph, wrt, tuple(outputs), eliminable, out_avals, out_values, tuple(sorted(opaque.items())))
 
 
 def run(problem: Problem, order) -> Cost:

@@ -102,6 +102,7 @@ class JacobianReport:
     adds: int
     blocks: tuple  # tuple[Block, ...], output-major
     check: Check | None = None
+    opaque: tuple = ()  # (vertex, primitive name) differentiated by JAX's AD of the whole equation
 
 
 # ----------------------------------------------------------------------------------------- text
@@ -151,6 +152,10 @@ def render_text(report: JacobianReport, *, spy: bool = False) -> Text:
     count = len(report.order)
     out.append(f"{report.order_name} ({count} {'vertex' if count == 1 else 'vertices'})  "
                f"multiplications: {report.mults}  additions: {report.adds}\n")
+    if report.opaque:
+        listed = ", ".join(f"v{v} {name}" for v, name in report.opaque)
+        out.append(f"opaque vertices: {listed} (partials from JAX's AD of the whole equation; counted as one "
+                   "multiplication per result element per application)\n")
     if report.check is not None:
         _render_check(out, report.check)
     out.rstrip()
@@ -249,6 +254,7 @@ def to_json(report: JacobianReport) -> dict:
         "vertices": list(report.order),
         "mults": report.mults,
         "adds": report.adds,
+        "opaque_vertices": [{"vertex": v, "primitive": name} for v, name in report.opaque],
         "blocks": [],
     }
     for b in report.blocks:

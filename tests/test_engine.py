@@ -342,6 +342,13 @@ def test_complex_elementwise_chain_stays_block_diagonal():
     np.testing.assert_allclose(jaxtool.jacve(f, order="fwd")(small), jax.jacrev(f)(small), rtol=1e-5, atol=1e-6)
 
 
+def test_opaque_vertices_are_listed():
+    problem = trace_problem(_complex_scan, X)
+    assert {name for _, name in problem.opaque} == {"scan"}  # its carry and its stacked outputs
+    assert all(v in problem.eliminable or v in problem.outputs for v, _ in problem.opaque)
+    assert trace_problem(lambda x: jnp.sin(x) * x, X).opaque == ()
+
+
 def test_custom_jvp_rules_keep_their_structure():
     relu = trace_problem(lambda x: jax.nn.relu(x), M)
     (partial,) = relu.graph.preds[relu.outputs[0]].values()

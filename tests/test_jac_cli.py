@@ -157,7 +157,8 @@ def test_text_table_and_small_blocks(capsys):
 
 def test_json_output(capsys):
     data = jac_json(capsys, f"{FIXTURES}:mixed", "f32[4]", "i32[]", "--check")
-    assert set(data) == {"order", "vertices", "mults", "adds", "blocks", "check"}
+    assert set(data) == {"order", "vertices", "mults", "adds", "opaque_vertices", "blocks", "check"}
+    assert data["opaque_vertices"] == []
     assert [(b["output"], b["input"], b["shape"]) for b in data["blocks"]] == [
         ('out["i"]', "x", [4]), ('out["s"]', "x", [4]), ('out["y"]', "x", [4, 4])]
     y = data["blocks"][2]
@@ -274,7 +275,10 @@ def test_complex_output_checks_against_jacfwd(capsys, tmp_path):
     saved = np.load(tmp_path / "j.npz")["jac_0_0"]
     assert saved.dtype == np.complex64
     np.testing.assert_allclose(saved, jax.jacfwd(loaded.fn)(*loaded.args), rtol=1e-5, atol=1e-6)
-    [block] = jac_json(capsys, f"{FIXTURES}:spectrum")["blocks"]
+    assert re.search(r"^opaque vertices: v\d+ fft \(partials from JAX's AD", out, re.M)
+    report = jac_json(capsys, f"{FIXTURES}:spectrum")
+    assert [v["primitive"] for v in report["opaque_vertices"]] == ["fft"]
+    [block] = report["blocks"]
     assert block["dtype"] == "complex64" and block["max_abs"] == pytest.approx(np.abs(saved).max(), rel=1e-6)
     np.testing.assert_allclose(np.array(block["values"])[..., 0] + 1j * np.array(block["values"])[..., 1], saved,
                                rtol=1e-6)

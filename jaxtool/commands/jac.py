@@ -77,10 +77,10 @@ def command(settings, target, specs, order_text, argnums, static, inputs, seed, 
     traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
     leaves, wrt = _differentiated_leaves(loaded, traced, positions)
 
-    (vertices, cost), jac = _eliminate(traced.closed_jaxpr, leaves, wrt, order)
+    (vertices, cost), jac, opaque = _eliminate(traced.closed_jaxpr, leaves, wrt, order)
     blocks = _blocks(traced, wrt, jac)
     report = JacobianReport(order_name=order if isinstance(order, str) else "custom", order=tuple(vertices),
-                            mults=cost.mults, adds=cost.adds, blocks=blocks,
+                            mults=cost.mults, adds=cost.adds, blocks=blocks, opaque=opaque,
                             check=_check(traced, leaves, wrt, blocks, rtol, atol) if check else None)
     if save:
         _save(save, blocks, len(wrt))
@@ -147,7 +147,8 @@ def _differentiated_leaves(loaded, traced, positions):
 
 
 def _eliminate(closed_jaxpr, leaves, wrt, order):
-    """((vertices eliminated, Cost), Jacobian blocks ``[output][differentiated leaf]`` in ``wrt`` order)."""
+    """((vertices eliminated, Cost), Jacobian blocks ``[output][differentiated leaf]`` in ``wrt`` order,
+    opaque vertices (see :attr:`jaxtool.elimination.Problem.opaque`))."""
     import jax
 
     from jaxtool.elimination import blocks, build, run
@@ -160,13 +161,14 @@ def _eliminate(closed_jaxpr, leaves, wrt, order):
     def eliminate(args):
         problem = build(program, args, wrt)
         vertices = resolve_order(order, problem)
+        recorded["opaque"] = problem.opaque
         recorded["result"] = (vertices, run(problem, vertices))
         return blocks(problem)
 
     jac = jax.jit(eliminate)(leaves)
     columns = sorted(wrt)  # blocks() orders the differentiated inputs by flat index
     jac = [[row[columns.index(k)] for k in wrt] for row in jac]
-    return recorded["result"], jac
+    return recorded["result"], jac, recorded["opaque"]
 
 
 def _blocks(traced, wrt, jac) -> tuple:
