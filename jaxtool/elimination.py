@@ -179,7 +179,8 @@ def build(program: FlatProgram, args, wrt) -> Problem:
     eliminable = tuple(v for v in range(1, n + 1) if v not in pure_outputs)
     out_avals = tuple(program.aval(a) for a in program.outvars)
     out_values = tuple(read(a, args, values) for a in program.outvars)
-    return Problem(program, graph, wrt, tuple(outputs), eliminable, out_avals, out_values, tuple(sorted(opaque.items())))
+    return Problem(program, graph, wrt, tuple(outputs), eliminable, out_avals, out_values,
+                   tuple(sorted(opaque.items())))
 
 
 def run(problem: Problem, order) -> Cost:

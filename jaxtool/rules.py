@@ -10,8 +10,8 @@ tangent of ones gives the diagonal of an elementwise primitive exactly as ``jax.
 ties of ``max``/``min`` included); the rules here add the *structure* that keeps partials small.
 Primitives without a structured rule become one opaque vertex whose partials are the primitive's
 JVP (or, for ``custom_vjp``, its VJP) applied lazily: correct for everything JAX can differentiate,
-and reported as opaque by the counters. So do equations that read or make complex values, whose
-vertices are (real, imaginary) pairs (:func:`complex_partials`).
+and reported as opaque by the counters. Equations that read or make complex values work on
+(real, imaginary) pairs (:func:`complex_partials`): block-diagonal where elementwise, else opaque.
 """
 
 from __future__ import annotations
