@@ -192,7 +192,8 @@ class Sparse(Partial):
         val = None
         if not self.abstract:
             v = self.values()
-            # move stored in-axes into their new slots, then multiply by the deltas
+            # move stored in-axes into their new slots, then keep them on the deltas only (a select,
+            # not a product: an infinite value off the delta is no path, and must not become NaN)
             expanded = reshaped(v, v.shape[:nout] + tuple(
                 v.shape[nout + old_unpaired.index(j)] if j in old_unpaired else 1 for j in new_unpaired))
             for k in out_axes:
@@ -200,7 +201,7 @@ class Sparse(Partial):
                 eye_shape = [1] * len(val_shape)
                 eye_shape[k] = n
                 eye_shape[nout + new_unpaired.index(self.pairs[k])] = n
-                expanded = expanded * jnp.eye(n, dtype=self.dtype).reshape(eye_shape)
+                expanded = jnp.where(np.eye(n, dtype=bool).reshape(eye_shape), expanded, jnp.zeros((), self.dtype))
             val = jnp.broadcast_to(expanded, tuple(val_shape))
         return Sparse(self.out_shape, self.in_shape, tuple(pairs), tuple(val_shape), self.dtype, val)
 
@@ -278,10 +279,11 @@ class Linear(Partial):
         n_in, n_out = _size(self.in_shape), _size(self.out_shape)
         if self.index is not None:
             one_hot = self.index.reshape(n_out, 1) == np.arange(n_in)
-            dense = jnp.asarray(one_hot.reshape(self.shape), self.dtype)
-            if self.has_scale:
-                dense = dense * reshaped(self.scale, np.shape(self.scale) + (1,) * len(self.in_shape))
-            return dense
+            one_hot = one_hot.reshape(self.shape)
+            if self.has_scale:  # the scale on the selected entries only (see unpair)
+                scale = reshaped(self.scale, np.shape(self.scale) + (1,) * len(self.in_shape))
+                return jnp.where(one_hot, scale, jnp.zeros((), self.dtype)).astype(self.dtype)
+            return jnp.asarray(one_hot, self.dtype)
         use_forward = n_in <= n_out if (self.fn is not None and self.fn_t is not None) else self.fn is not None
         if use_forward:
             basis = jnp.eye(n_in, dtype=self.dtype).reshape((n_in,) + self.in_shape)
@@ -542,7 +544,22 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
             fn_t = lambda c: a.fn_t(a.scale * b.fn_t(c))  # noqa: E731
         else:
             fn_t = lambda c: a.fn_t(b.fn_t(c))  # noqa: E731
-    return replace(result, fn=fn, fn_t=fn_t, scale=scale), cost
+    return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale)), cost
+
+
+def _zero_where_unselected(x: Linear) -> Linear:
+    """A scaled selection whose scale is zero where it selects nothing: such an output element is
+    zero, and stays zero even where the scale (a local partial with no path to it, the infinite
+    derivative of ``sqrt`` at a padded zero) is infinite or NaN, as in ``jax.jacrev``."""
+    if not (x.selection and x.has_scale) or x.abstract:
+        return x
+    if x.index is not None:
+        selected = x.index >= 0
+        if selected.all():
+            return x
+    else:
+        selected = x.forward()(jnp.ones(x.in_shape, x.dtype)) != 0
+    return replace(x, scale=jnp.where(selected, x.scale, jnp.zeros((), x.dtype)))
 
 
 def _transposer(pairs):
@@ -579,7 +596,7 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         scale = tr(jnp.broadcast_to(a.scale, a.out_shape)) if a.has_scale else None
         if not b.unit:
             scale = b.val if scale is None else scale * b.val
-        return replace(result, fn=fn, fn_t=fn_t, scale=scale), cost
+        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale)), cost
     # general: rows of b (dense over v) pulled back through a^T
     rows = b.unpair(range(len(b.out_shape)))
     nw = len(b.out_shape)
@@ -649,7 +666,7 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
         if push:
             pushed = fb(jnp.broadcast_to(a.val, a.out_shape).astype(b.dtype))
             scale = pushed * b.scale if b.has_scale else pushed
-        return replace(result, fn=fn, fn_t=fn_t, scale=scale), cost
+        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale)), cost
     # general: columns of a (dense over v) pushed through b
     cols = a.unpair(range(len(a.out_shape)))
     nv = len(a.out_shape)
@@ -754,4 +771,4 @@ def _disjoint_selections_add(x: Linear, y: Linear, dtype) -> Linear:
             return jnp.broadcast_to(part.scale if part.has_scale else jnp.ones((), dtype), part.out_shape).astype(dtype)
 
         scale = jnp.where(x.index >= 0, full(x), full(y))
-    return replace(result, fn=fn, fn_t=fn_t, scale=scale)
+    return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale))

@@ -16,6 +16,7 @@ and reported as opaque by the counters. Equations that read or make complex valu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -560,8 +561,12 @@ def complex_partials(eqn, invals, outvals, wrt):
     is block-diagonal: per element a 2x2 (complex to complex), 2x1 or 1x2 block from the JVPs along
     tangents of ones and of ``1j``; any other equation's is applied lazily like an opaque one's.
     """
-    if eqn.primitive in COMPLEX_ELEMENTWISE and all(_shape(invals[i]) == _shape(outvals[0]) for i in wrt):
+    if eqn.primitive in COMPLEX_ELEMENTWISE:
         return _complex_elementwise(eqn, invals, outvals, wrt)
+    if eqn.primitive in COMPLEX_STRUCTURAL and all(_is_complex(jax.typeof(x)) for x in
+                                                   [invals[i] for i in wrt] + _inexact(outvals)):
+        real_parts = [[jnp.real(x) if _is_complex(jax.typeof(x)) else x for x in xs] for xs in (invals, outvals)]
+        return [(i, k, _on_pairs(partial)) for i, k, partial in RULES[eqn.primitive](eqn, *real_parts, wrt)]
     from jaxtool.source import location
 
     outs = [k for k, y in enumerate(outvals) if carries_tangent(jax.typeof(y))]
@@ -589,17 +594,56 @@ def complex_partials(eqn, invals, outvals, wrt):
     return result
 
 
+#: linear maps with real coefficients: on complex values they act on both parts alike
+COMPLEX_STRUCTURAL = {P.transpose_p, P.broadcast_in_dim_p, P.squeeze_p, P.reduce_sum_p, P.reshape_p, P.copy_p,
+                      *LINEAR_SELECTION}
+
+
+def _inexact(values) -> list:
+    return [y for y in values if carries_tangent(jax.typeof(y))]
+
+
+def _on_pairs(partial):
+    """A real partial applied to the real and imaginary parts alike: both sides gain a last axis of 2
+    (see :func:`tangent_shape`), paired with each other; the structure is kept."""
+    out_shape, in_shape = tuple(partial.out_shape) + (2,), tuple(partial.in_shape) + (2,)
+    if isinstance(partial, Sparse):
+        k = len(partial.out_shape)
+        val_shape = partial.val_shape[:k] + (1,) + partial.val_shape[k:]
+        val = None if partial.val is None else reshaped(partial.val, val_shape)
+        return Sparse(out_shape, in_shape, tuple(partial.pairs) + (len(partial.in_shape),), val_shape,
+                      partial.dtype, val, partial.unit)
+
+    def per_part(f):
+        return None if f is None else jax.vmap(f, in_axes=-1, out_axes=-1)
+
+    index = partial.index
+    if index is not None:  # flat element o of a part -> flat element 2 o + part
+        index = np.where(index[..., None] >= 0, 2 * index[..., None] + np.arange(2), -1)
+    scale = None if partial.scale is None else jnp.expand_dims(partial.scale, -1)
+    return replace(partial, out_shape=out_shape, in_shape=in_shape, fn=per_part(partial.fn),
+                   fn_t=per_part(partial.fn_t), scale=scale, flops=2 * partial.flops, index=index)
+
+
 def _complex_elementwise(eqn, invals, outvals, wrt):
+    """Per output element, the real 2x2 (2x1, 1x2) block of each operand: its columns are the JVPs
+    along a tangent of ones and of ``1j``. An operand broadcast against the others (rank 0, or
+    size-1 axes) is paired only along its full axes, as in :func:`_operand_partial`."""
     y_aval = jax.typeof(outvals[0])
     shape = tuple(y_aval.shape)
     result = []
     for i in wrt:
         x_aval = jax.typeof(invals[i])
+        x_shape = tuple(x_aval.shape)
         units = (1, 1j) if _is_complex(x_aval) else (1,)
-        columns = [_as_pairs(_jvp_at(eqn, invals, i, jnp.full(shape, u, x_aval.dtype))[0]) for u in units]
+        columns = [_as_pairs(_jvp_at(eqn, invals, i, jnp.full(x_shape, u, x_aval.dtype))[0]) for u in units]
+        pairs = tuple(k if x_shape and x_shape[k] == n else None for k, n in enumerate(shape))
+        broadcast = len([j for j in range(len(x_shape)) if j not in pairs])  # size-1 axes of x
         val = jnp.stack(columns, axis=-1) if _is_complex(x_aval) else columns[0]
+        out_axes = len(tangent_shape(y_aval))
+        val = reshaped(val, val.shape[:out_axes] + (1,) * broadcast + val.shape[out_axes:])
         dtype = np.result_type(tangent_dtype(x_aval), tangent_dtype(y_aval))
-        pairs = tuple(range(len(shape))) + ((None,) if _is_complex(y_aval) else ())
+        pairs += (None,) if _is_complex(y_aval) else ()
         result.append((i, 0, Sparse(tangent_shape(y_aval), tangent_shape(x_aval), pairs, tuple(val.shape), dtype,
                                     val.astype(dtype))))
     return result

@@ -227,6 +227,18 @@ def test_non_finite_partials_stay_on_their_paths():
     assert np.isnan(jax.grad(lambda v: jnp.where(v > 2, jnp.sqrt(v - 2), 0.0).sum())(x)[0])
 
 
+def test_infinite_partials_where_a_selection_selects_nothing_stay_zero():
+    # sqrt'(0) = inf at padded or concatenated zeros, which no input reaches: jax.jacrev gives 0 there
+    cases = [lambda v: jnp.sqrt(jnp.pad(v, 1)), lambda v: jnp.sqrt(jnp.concatenate([v, jnp.zeros(2)])) * 2,
+             lambda v: jnp.log(lax.dynamic_update_slice(jnp.zeros(9), v, (jnp.argmax(v) - 4,))),
+             lambda v: jnp.sqrt(jnp.pad(v[::-1], (0, 3))[2:]) * jnp.sqrt(jnp.pad(v, (3, 0))[:-2])]
+    for f in cases:
+        want = jax.jacrev(f)(X)
+        assert np.isfinite(want).all()
+        for order in ("fwd", "rev", "markowitz"):
+            np.testing.assert_allclose(jaxtool.jacve(f, order=order)(X), want, rtol=1e-5, atol=1e-6)
+
+
 def test_reduce_precision_follows_its_jvp_rule():
     # JAX differentiates lax.reduce_precision as the identity in forward mode, but jax.jacrev rounds
     # the cotangent as well: the two disagree by the rounding, and jaxtool gives jacfwd's exact ones
@@ -262,7 +274,14 @@ COMPLEX_CASES = {
     "cond": lambda x: lax.cond(x[0] > 0, lambda y: jnp.real(y * 1j + y ** 2), jnp.imag, x.astype(jnp.complex64)),
     "eigenvalues": lambda x: jnp.sort(jnp.real(jnp.linalg.eigvals(jnp.outer(x, x[::-1]) + jnp.eye(6)))),
     "matmul_modulus": lambda x: jnp.abs(jnp.outer(x, x).astype(jnp.complex64) @ (x + 1j)),
+    # structural maps and broadcasting on complex values keep their structure (no opaque vertex)
+    "slices_and_concatenation": lambda x: jnp.real(jnp.concatenate([(x * 1j)[1:4], (x + 1j)[::-1]]) ** 2),
+    "gather_pad_transpose": lambda x: jnp.angle(jnp.pad(jnp.exp(0.3j * x)[jnp.array([0, 2, 2, 5])], 1,
+                                                        constant_values=0.5j) * (1 + 1j)).reshape(2, 3).T.ravel(),
+    "broadcast_and_sum": lambda x: jnp.abs(jnp.exp(1j * x[:, None] * jnp.arange(3)).sum(axis=1) * (x[0] + 1j)),
 }
+STRUCTURED_COMPLEX = ("conj_product", "closed_over_constant", "slices_and_concatenation", "gather_pad_transpose",
+                      "broadcast_and_sum")
 
 
 @pytest.mark.parametrize("name", sorted(COMPLEX_CASES))
@@ -343,6 +362,9 @@ def test_complex_elementwise_chain_stays_block_diagonal():
 
 
 def test_opaque_vertices_are_listed():
+    for name in STRUCTURED_COMPLEX:  # elementwise and structural equations on complex values
+        assert trace_problem(COMPLEX_CASES[name], X).opaque == (), name
+    assert {n for _, n in trace_problem(COMPLEX_CASES["fft_power"], X).opaque} == {"fft"}
     problem = trace_problem(_complex_scan, X)
     assert {name for _, name in problem.opaque} == {"scan"}  # its carry and its stacked outputs
     assert all(v in problem.eliminable or v in problem.outputs for v, _ in problem.opaque)
