@@ -282,7 +282,7 @@ class Linear(Partial):
             one_hot = one_hot.reshape(self.shape)
             if self.has_scale:  # the scale on the selected entries only (see unpair)
                 scale = reshaped(self.scale, np.shape(self.scale) + (1,) * len(self.in_shape))
-                return jnp.where(one_hot, scale, jnp.zeros((), self.dtype)).astype(self.dtype)
+                return cast(jnp.where(one_hot, scale, jnp.zeros((), self.dtype)), self.dtype)
             return jnp.asarray(one_hot, self.dtype)
         use_forward = n_in <= n_out if (self.fn is not None and self.fn_t is not None) else self.fn is not None
         if use_forward:

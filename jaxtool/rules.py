@@ -563,22 +563,17 @@ def complex_partials(eqn, invals, outvals, wrt):
     """
     if eqn.primitive in COMPLEX_ELEMENTWISE:
         return _complex_elementwise(eqn, invals, outvals, wrt)
+    outs = [k for k, y in enumerate(outvals) if carries_tangent(jax.typeof(y))]
     if eqn.primitive in COMPLEX_STRUCTURAL and all(_is_complex(jax.typeof(x)) for x in
-                                                   [invals[i] for i in wrt] + _inexact(outvals)):
+                                                   [invals[i] for i in wrt] + [outvals[k] for k in outs]):
         real_parts = [[jnp.real(x) if _is_complex(jax.typeof(x)) else x for x in xs] for xs in (invals, outvals)]
         return [(i, k, _on_pairs(partial)) for i, k, partial in RULES[eqn.primitive](eqn, *real_parts, wrt)]
-    from jaxtool.source import location
-
-    outs = [k for k, y in enumerate(outvals) if carries_tangent(jax.typeof(y))]
+    error = _forward_rule_error(eqn, invals, wrt)
+    if error is not None:
+        raise _cannot_differentiate(eqn, error, " on complex values") from error
     result = []
     for i in wrt:
         x_aval = jax.typeof(invals[i])
-        try:
-            jax.eval_shape(lambda t: _jvp_at(eqn, invals, i, t), jnp.zeros(x_aval.shape, x_aval.dtype))
-        except Exception as e:  # noqa: BLE001 - JAX has no forward rule here
-            raise UnsupportedError(f"cannot differentiate primitive '{eqn.name}' on complex values: "
-                                   f"{str(e).splitlines()[0]}", primitive=eqn.name,
-                                   location=location(eqn.source_info)) from e
         for k in outs:
             y_aval = jax.typeof(outvals[k])
             dtype = np.result_type(tangent_dtype(x_aval), tangent_dtype(y_aval))
@@ -597,10 +592,6 @@ def complex_partials(eqn, invals, outvals, wrt):
 #: linear maps with real coefficients: on complex values they act on both parts alike
 COMPLEX_STRUCTURAL = {P.transpose_p, P.broadcast_in_dim_p, P.squeeze_p, P.reduce_sum_p, P.reshape_p, P.copy_p,
                       *LINEAR_SELECTION}
-
-
-def _inexact(values) -> list:
-    return [y for y in values if carries_tangent(jax.typeof(y))]
 
 
 def _on_pairs(partial):
@@ -653,25 +644,37 @@ def _complex_elementwise(eqn, invals, outvals, wrt):
 # everything else: one opaque vertex, JAX's own AD of the whole equation
 
 
+def _forward_rule_error(eqn, invals, wrt):
+    """Why JAX cannot take the equation's JVP along one of the inputs ``wrt`` (None if it can); the
+    forward rule may exist for some inputs only (``scatter_mul``'s operand)."""
+    for i in wrt:
+        probe = jnp.zeros(_shape(invals[i]), jax.typeof(invals[i]).dtype)
+        try:
+            jax.eval_shape(lambda t, i=i: _jvp_at(eqn, invals, i, t), probe)
+        except Exception as e:  # noqa: BLE001 - any failure means no usable forward rule
+            return e
+    return None
+
+
+def _cannot_differentiate(eqn, error: Exception, what: str = "") -> UnsupportedError:
+    from jaxtool.source import location
+
+    return UnsupportedError(f"cannot differentiate primitive '{eqn.name}'{what}: {str(error).splitlines()[0]}",
+                            primitive=eqn.name, location=location(eqn.source_info))
+
+
 def opaque(eqn, invals, outvals, wrt):
     """JVP of the whole equation (control flow, linear algebra, ...), or its VJP if only that exists."""
     outs = _float_outputs(outvals)
     if not wrt or not outs:
         return []
-    from jaxtool.source import location
-
-    try:  # JAX's forward rule may exist for some inputs only (scatter_mul's operand)
-        for i in wrt:
-            probe = jnp.zeros(_shape(invals[i]), jax.typeof(invals[i]).dtype)
-            jax.eval_shape(lambda t, i=i: _jvp_at(eqn, invals, i, t), probe)
-    except Exception as jvp_error:  # JAX has no forward rule: try reverse mode
+    jvp_error = _forward_rule_error(eqn, invals, wrt)
+    if jvp_error is not None:  # JAX has no forward rule: try reverse mode
         try:
             jax.eval_shape(lambda: jax.vjp(lambda *xs: bind(eqn, *xs), *invals))
             return custom_vjp(eqn, invals, outvals, wrt)
         except Exception:
-            raise UnsupportedError(
-                f"cannot differentiate primitive '{eqn.name}': {str(jvp_error).splitlines()[0]}",
-                primitive=eqn.name, location=location(eqn.source_info)) from jvp_error
+            raise _cannot_differentiate(eqn, jvp_error) from jvp_error
     n_out = sum(int(np.prod(_shape(outvals[k]))) for k in outs)
     return [(i, k, _linear_from_jvp(eqn, invals, outvals, i, k, selection=False, flops=n_out, opaque=True))
             for i in wrt for k in outs]
