@@ -17,7 +17,10 @@ tangents of ``v`` (``out_shape``). Its dense form has shape ``out_shape + in_sha
     ``J(t) = scale * fn(t)``: a linear function applied lazily, for structural ops (reshape,
     slice, pad, gather, ...: ``selection`` maps, where every output element is zero or one input
     element) and for opaque partials (control flow, convolutions, custom rules). ``fn_t`` is its
-    transpose; either may be derived from the other with :func:`jax.linear_transpose`.
+    transpose; either may be derived from the other with :func:`jax.linear_transpose`. A selection
+    known at trace time carries its ``index``; a sum of a few such scaled selections (a stencil
+    ``y[2:] - 2 y[1:-1] + y[:-2]``, ``x + x.T``, ``x + roll(x)``) keeps them as its ``parts``, so
+    that products distribute over them and densifying writes only their entries.
 
 Every operation computes the result's *structure* and its multiplication/addition counts from
 shapes alone, and computes values only when its operands carry them. A partial without values
@@ -231,6 +234,8 @@ class Linear(Partial):
     #: or -1 for zero (``fn`` itself carries no multiplier). Products, sums and densification of such
     #: maps are then index arithmetic in NumPy, with nothing traced.
     index: Optional[np.ndarray] = field(default=None, compare=False)
+    #: for a sum of scaled selections with known indices: those selections (``fn`` is their sum)
+    parts: tuple = field(default=(), compare=False)
 
     @property
     def abstract(self) -> bool:
@@ -238,10 +243,12 @@ class Linear(Partial):
 
     @property
     def stored(self) -> int:
-        return _size(self.out_shape) if self.has_scale else 0
+        return (_size(self.out_shape) if self.has_scale else 0) + sum(p.stored for p in self.parts)
 
     def plan(self) -> "Linear":
-        return self if self.abstract and self.scale is None else replace(self, fn=None, fn_t=None, scale=None)
+        if self.abstract and self.scale is None:
+            return self
+        return replace(self, fn=None, fn_t=None, scale=None, parts=tuple(p.plan() for p in self.parts))
 
     def _in_struct(self):
         return jax.ShapeDtypeStruct(self.in_shape, self.dtype)
@@ -277,6 +284,8 @@ class Linear(Partial):
     def to_dense(self):
         """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""
         n_in, n_out = _size(self.in_shape), _size(self.out_shape)
+        if self.parts:
+            return _parts_to_dense(self.parts, self.shape, self.dtype)
         if self.index is not None:
             one_hot = self.index.reshape(n_out, 1) == np.arange(n_in)
             one_hot = one_hot.reshape(self.shape)
@@ -321,6 +330,10 @@ def _transposed_index(index: Optional[np.ndarray], in_shape, pairs) -> Optional[
 def matmul(b: Partial, a: Partial) -> tuple[Partial, Cost]:
     """The partial of ``u -> w`` through ``v``: ``b o a`` for ``a: u -> v`` and ``b: v -> w``."""
     assert tuple(a.out_shape) == tuple(b.in_shape), (a.out_shape, b.in_shape)
+    if _has_parts(a) or _has_parts(b):
+        distributed = _distributed(b, a)
+        if distributed is not None:
+            return distributed
     if isinstance(a, Sparse) and isinstance(b, Sparse):
         return _sparse_sparse(b, a)
     if isinstance(a, Linear) and isinstance(b, Linear):
@@ -699,6 +712,9 @@ def add(x: Partial, y: Partial) -> tuple[Partial, Cost]:
     assert x.shape == y.shape, (x.shape, y.shape)
     if isinstance(x, Linear) and isinstance(y, Linear):
         return _linear_add(x, y)
+    as_parts = _diagonals_as_parts(x, y)
+    if as_parts is not None:
+        return as_parts
     if isinstance(x, Linear):
         x = linear_to_sparse(x)
     if isinstance(y, Linear):
@@ -740,8 +756,11 @@ def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
     n_out = _size(x.out_shape)
     dtype = np.dtype(_result_dtype(x, y))
     cost = Cost(0, n_out)
-    if x.index is not None and y.index is not None and not ((x.index >= 0) & (y.index >= 0)).any():
-        return _disjoint_selections_add(x, y, dtype), cost
+    xs, ys = _selections(x), _selections(y)
+    if xs and ys:
+        summed = _sum_of_selections(xs + ys, dtype)
+        if summed is not None:
+            return summed, cost
     result = Linear(x.out_shape, x.in_shape, dtype, selection=False,
                     flops=x.flops + y.flops + (n_out if x.has_scale else 0) + (n_out if y.has_scale else 0),
                     opaque=x.opaque or y.opaque)
@@ -765,10 +784,139 @@ def _disjoint_selections_add(x: Linear, y: Linear, dtype) -> Linear:
     fn_t = None
     if x.fn_t is not None and y.fn_t is not None:
         fn_t = lambda c: x.fn_t(c) + y.fn_t(c)  # noqa: E731
-    scale = None
-    if has_scale:
-        def full(part):
-            return jnp.broadcast_to(part.scale if part.has_scale else jnp.ones((), dtype), part.out_shape).astype(dtype)
-
-        scale = jnp.where(x.index >= 0, full(x), full(y))
+    scale = jnp.where(x.index >= 0, _full_scale(x, dtype), _full_scale(y, dtype)) if has_scale else None
     return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale))
+
+
+def _full_scale(part: Linear, dtype):
+    """A scaled selection's scale at every output element (ones where it has none)."""
+    return cast(jnp.broadcast_to(part.scale if part.has_scale else jnp.ones((), dtype), part.out_shape), dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Sums of scaled selections
+
+#: A sum of at most this many scaled selections (after merging those with equal or disjoint
+#: indices) keeps them as its parts; a sum of more is applied lazily, as any sum of linear maps.
+MAX_PARTS = 16
+
+
+def _has_parts(x: Partial) -> bool:
+    return isinstance(x, Linear) and bool(x.parts)
+
+
+def _selections(x: Linear) -> Optional[tuple]:
+    """``x`` as a tuple of scaled selections with known indices that sum to it, or None."""
+    if x.parts:
+        return x.parts
+    return (x,) if x.index is not None else None
+
+
+def _sum_of_selections(terms, dtype) -> Optional[Linear]:
+    """The sum of scaled selections with known indices: one selection where their indices agree or
+    never select into the same output element, else a Linear with the merged terms as its parts;
+    None if more than :data:`MAX_PARTS` remain."""
+    merged = []
+    for term in terms:
+        for n, kept in enumerate(merged):
+            if np.array_equal(kept.index, term.index):
+                merged[n] = _same_selection_add(kept, term, dtype)
+                break
+            if not ((kept.index >= 0) & (term.index >= 0)).any():
+                merged[n] = _disjoint_selections_add(kept, term, dtype)
+                break
+        else:
+            merged.append(term)
+    if len(merged) > MAX_PARTS:
+        return None
+    if len(merged) == 1:
+        return merged[0]
+    parts = tuple(merged)
+    n_out = _size(parts[0].out_shape)
+    result = Linear(parts[0].out_shape, parts[0].in_shape, dtype, parts=parts,
+                    flops=sum(p.flops + (n_out if p.has_scale else 0) for p in parts))
+    if any(p.abstract for p in parts):
+        return result
+    fn = lambda t: functools.reduce(lax.add, [cast(p.apply(t), dtype) for p in parts])  # noqa: E731
+    fn_t = lambda c: functools.reduce(lax.add, [cast(p.apply_t(c), dtype) for p in parts])  # noqa: E731
+    return replace(result, fn=fn, fn_t=fn_t)
+
+
+def _same_selection_add(x: Linear, y: Linear, dtype) -> Linear:
+    """The sum of two scaled selections with the same index: that selection, the scales added."""
+    result = Linear(x.out_shape, x.in_shape, dtype, has_scale=True, selection=True, index=x.index)
+    if x.abstract or y.abstract:
+        return result
+    return replace(result, fn=x.forward(), fn_t=x.fn_t if x.fn_t is not None else y.fn_t,
+                   scale=_full_scale(x, dtype) + _full_scale(y, dtype))
+
+
+def _diag_as_selection(x: Sparse) -> Linear:
+    """A permuted diagonal ``val * transpose(t)`` as a scaled selection."""
+    index = np.transpose(np.arange(_size(x.in_shape)).reshape(x.in_shape), x.pairs)
+    result = Linear(x.out_shape, x.in_shape, x.dtype, has_scale=not x.unit, selection=True, index=index)
+    if x.abstract:
+        return result
+    scale = None if x.unit else jnp.broadcast_to(x.val, x.out_shape)
+    return replace(result, fn=_transposer(x.pairs), fn_t=_untransposer(x.pairs), scale=scale)
+
+
+def _diagonals_as_parts(x: Partial, y: Partial) -> Optional[tuple]:
+    """``x + y`` as a sum of scaled selections where one is a (sum of) selection(s) and the other a
+    permuted diagonal, or both are diagonals permuted differently (``x + x.T``), and those parts are
+    smaller than the sum in its other form (dense); None otherwise."""
+    def selections(z):
+        if isinstance(z, Sparse):
+            return (_diag_as_selection(z),) if z.is_permuted_diag else None
+        return _selections(z)
+
+    if isinstance(x, Sparse) and isinstance(y, Sparse):
+        if x.pairs == y.pairs:
+            return None
+        other_form = _size(_sum_plan(x.key, y.key)[0].val_shape)
+    else:
+        other_form = _size(x.shape)  # a Linear plus a Sparse: the Linear densified
+    xs, ys = selections(x), selections(y)
+    n_out = _size(x.out_shape)
+    if not xs or not ys or (len(xs) + len(ys)) * n_out >= other_form:
+        return None
+    summed = _sum_of_selections(xs + ys, np.dtype(_result_dtype(x, y)))
+    return None if summed is None else (summed, Cost(0, n_out))
+
+
+def _distributed(b: Partial, a: Partial) -> Optional[tuple]:
+    """``b o a`` as the sum of the products of their parts, where one is a sum of scaled selections
+    and the other a Sparse partial or (a sum of) scaled selections; None where the other is a lazily
+    applied map (composing with the sum costs less than with each part)."""
+    def terms(x):
+        return (x,) if isinstance(x, Sparse) else _selections(x)
+
+    b_terms, a_terms = terms(b), terms(a)
+    if b_terms is None or a_terms is None:
+        return None
+    total, result = Cost(), None
+    for tb in b_terms:
+        for ta in a_terms:
+            product, cost = matmul(tb, ta)
+            total += cost
+            if result is not None:
+                product, cost = add(result, product)
+                total += cost
+            result = product
+    return result, total
+
+
+def _parts_to_dense(parts, shape, dtype):
+    """The dense block of a sum of scaled selections: their entries scattered into zeros (no
+    output element reads the scales more than once)."""
+    n_in = _size(parts[0].in_shape)
+    flat_index, values = [], []
+    for p in parts:
+        index = p.index.reshape(-1)
+        picked = np.flatnonzero(index >= 0)
+        flat_index.append(picked * n_in + index[picked])
+        scale = _full_scale(p, dtype).reshape(-1)
+        values.append(scale if len(picked) == len(index) else scale[picked])
+    dense = jnp.zeros(_size(shape), dtype).at[np.concatenate(flat_index)].add(
+        jnp.concatenate(values), mode="promise_in_bounds")
+    return dense.reshape(shape)

@@ -389,6 +389,45 @@ def test_diagonal_times_slice_is_a_scaled_slice():
     assert isinstance(partial, Linear) and partial.selection and partial.has_scale
 
 
+#: sums of shifted or permuted selections: stencils, symmetrisation, rolls (kept as a few scaled selections)
+SELECTION_SUMS = {
+    "laplacian": lambda x: jnp.tanh(jnp.sin(x)[:-2] - 2 * jnp.sin(x)[1:-1] + jnp.sin(x)[2:]) + x[1:-1] ** 2,
+    "diff of diff": lambda x: jnp.diff(jnp.diff(jnp.exp(x)) * 3),
+    "roll": lambda x: jnp.roll(jnp.exp(x), 1) * x - x[::-1],
+    "symmetrise": lambda x: jnp.tanh(0.5 * (x.reshape(5, 5) + x.reshape(5, 5).T)),
+    "grid stencil": lambda x: jnp.sin(x.reshape(5, 5))[1:, :-1] - 2 * x.reshape(5, 5)[:-1, 1:] + x.reshape(5, 5)[1:, 1:],
+    "stencil then reduction": lambda x: jnp.sum((x[1:] - x[:-1]) ** 2) * x[:2],
+    "stencil then matmul": lambda x: (x[1:7] - x[:6]).reshape(2, 3) @ jnp.cos(x[:9]).reshape(3, 3),
+    "wider than MAX_PARTS": lambda x: sum(x[k:k + 5] * (k + 1.0) for k in range(20)),  # 20 overlapping shifts
+    "diagonal plus selections": lambda x: jnp.exp(x) + jnp.sin(x)[::-1] + jnp.concatenate([x[1:], x[:1]]) * 2,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SELECTION_SUMS))
+def test_sums_of_selections_match_jacrev(name):
+    fun = SELECTION_SUMS[name]
+    x = jnp.linspace(0.2, 1.5, 25)
+    want = jax.jacrev(fun)(x)
+    assert_orders_match(fun, (x,), 0, want, lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 4, seed=11),
+                        rtol=1e-5, atol=1e-6)
+    assert_same_jacobian(jax.jit(jaxtool.jacve(fun, order="fwd"))(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_sums_of_selections_stay_sparse():
+    # a three-point stencil on 100,000 elements and x + x.T of a 300 x 300 matrix: a few values per
+    # output element in every order, where a dense block would hold 1e10 and 8.1e9 values
+    n = 100_000
+    cases = [(SELECTION_SUMS["laplacian"], jnp.linspace(0.0, 1.0, n), 3),
+             (lambda a: jnp.tanh(0.5 * (a + a.T)), jnp.ones((300, 300)), 2)]
+    for fun, x, width in cases:
+        for order in ("fwd", "rev", "markowitz"):
+            problem = trace_problem(fun, x)
+            run(problem, resolve_order(order, problem))
+            (partial,) = problem.graph.preds[problem.outputs[0]].values()
+            assert isinstance(partial, Linear) and len(partial.parts) == width, order
+            assert partial.stored == width * int(np.prod(partial.out_shape)), order
+
+
 def test_division_by_a_scalar_stores_one_value():
     # d(x/s)/dx = 1/s is one value for every element (as for a product with a scalar), d(x/s)/ds = -(x/s)/s one per element
     f = lambda x, s: jnp.sin(x) / s  # noqa: E731
