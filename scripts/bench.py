@@ -7,7 +7,8 @@ For each AlphaGrad/graphax benchmark task in ``sample_programs/`` (function ``NA
   ``jaxtool.jacve`` in the ``fwd``, ``rev`` and ``markowitz`` orders;
 - run time of the same under ``jax.jit(jax.vmap(...))`` over ``--batch`` points near the example;
 - the first call (trace + compile + run) of each, with JAX's caches cleared before it;
-- the multiplications and additions of each jacve order, next to graphax's published counts.
+- the multiplications and additions of each jacve order, next to graphax's published counts;
+- run time at the example point of larger programs with sparse Jacobians (``STRUCTURED``).
 
 Every program is differentiated with respect to ALL its floating-point positional arguments, so
 the Jacobian is the full one (as graphax and the AlphaGrad paper count it). Each jacve Jacobian
@@ -38,6 +39,9 @@ SAMPLES_DIR = ROOT / "sample_programs"
 #: the benchmark tasks: sample_programs/NAME.py defines NAME and NAME_example_args
 PROGRAMS = ("roe_flux_1d", "roe_flux_3d", "robot_arm_6dof", "human_heart_dipole", "propane_combustion",
             "black_scholes_jacobian", "perceptron", "encoder")
+
+#: larger programs whose Jacobians are sparse (stencils): run time at the example point only
+STRUCTURED = ("bratu_1d", "bratu_2d")
 
 ORDERS = ("fwd", "rev", "markowitz")
 JAX_COMPETITORS = ("jax.jacfwd", "jax.jacrev")
@@ -101,6 +105,11 @@ Every jacve Jacobian is checked against `jax.jacrev`'s (last column of the opera
   partials and choosing the order.
 - *Ratio* = best jacve order / min(`jax.jacfwd`, `jax.jacrev`) (first call: each jacve order /
   `jax.jacrev`); <= 1.00 means jaxtool is no slower. "geo. mean" is the geometric mean over programs.
+- *Structured*: the run time at the example point (as for the batched times: Cb calls per round, fewer
+  for a competitor whose Cb calls would take over 0.25 s) of larger programs whose Jacobians are
+  sparse, the 1-D and 2-D Bratu residuals of `sample_programs/bratu_1d.py` (2000 unknowns, 3
+  non-zeros per row) and `bratu_2d.py` (40 x 40 grid, 5 per row). The Jacobian is returned dense,
+  as `jax.jacrev` returns it; jaxtool keeps it as a few shifted diagonals until then.
 - *Operation counts*: multiplications (additions) of the elimination, from
   `jaxtool.elimination.run(problem.plan(), order)`, next to graphax's published multiplication
   counts (commit 5b13282, jax 0.10.2; its "mM" is a degree-based minimal Markowitz order, ours is
@@ -298,6 +307,22 @@ def bench_program(name: str, fn, args, opts) -> Result:
     return result
 
 
+def bench_structured(name: str, fn, args, opts) -> Result:
+    """Run time at ``args`` of the Jacobians of a larger program with a sparse Jacobian, each
+    checked against ``jax.jacrev``'s."""
+    import jax
+
+    argnums = float_argnums(args)
+    result = Result(name, len(args), argnums)
+    fns = {c: jax.jit(jacobian_maker(fn, argnums, c)()) for c in COMPETITORS}
+    reference = fns["jax.jacrev"](*args)
+    for order in ORDERS:
+        result.deviation[order] = deviation(fns[f"jacve {order}"](*args), reference)
+    note(f"{name}: run time ({opts.rounds} rounds x {opts.batch_calls} calls at most)")
+    result.run = time_round_robin(fns, args, opts.rounds, opts.batch_calls, BATCH_ROUND_SECONDS)
+    return result
+
+
 # ------------------------------------------------------------------------------------------------
 # report
 
@@ -401,27 +426,42 @@ def ops_table(results) -> list:
     return lines
 
 
-def report(results, opts, machine: list, load_before, load_after, elapsed: float) -> str:
+def structured_table(results) -> list:
+    """The run-time table of the structured programs, with each Jacobian's size and non-zeros."""
+    lines = timing_table(results, "run", "ms")
+    lines[0] += " max deviation from `jax.jacrev` |"
+    lines[1] += "---|"
+    for n, r in enumerate(results, start=2):
+        worst = max(r.deviation.values())
+        lines[n] += f" {worst:.1e}" + ("" if worst <= TOLERANCE else " **MISMATCH**") + " |"
+    return lines
+
+
+def report(results, opts, machine: list, load_before, load_after, elapsed: float, structured=()) -> str:
     """The whole markdown report."""
-    names = ", ".join(r.name for r in results)
+    names = ", ".join(r.name for r in list(results) + list(structured))
     setup = (f"R = {opts.rounds} rounds, C = {opts.calls} calls, Cb = {opts.batch_calls} batched calls, "
              f"B = {opts.batch}, F = {opts.first_calls}")
     if opts.quick:
         setup += " (`--quick`: NOT meaningful timings)"
-    argnums = "; ".join(f"{r.name}: {len(r.argnums)} of {r.num_args}" for r in results)
+    argnums = "; ".join(f"{r.name}: {len(r.argnums)} of {r.num_args}" for r in list(results) + list(structured))
     lines = [METHOD, "## Machine", "", *machine,
              f"- load average (1, 5, 15 min) before: {_load(load_before)}; after: {_load(load_after)}",
              f"- settings: {setup}; the whole run took {elapsed:.0f} s",
              f"- programs: {names}",
-             f"- differentiated arguments: {argnums}", "",
-             "## Run time at the example point (microseconds per call, median)", "",
-             *timing_table(results, "run", "us", floor=True), "",
-             f"## Batched run time, `jit(vmap(...))` over {opts.batch} points (milliseconds per call, median)", "",
-             *timing_table(results, "batched", "ms"), "",
-             "## First call: trace + compile + run (milliseconds, median)", "",
-             *first_call_table(results), "",
-             "## Operation counts: multiplications (additions)", "",
-             *ops_table(results), ""]
+             f"- differentiated arguments: {argnums}", ""]
+    if results:
+        lines += ["## Run time at the example point (microseconds per call, median)", "",
+                  *timing_table(results, "run", "us", floor=True), "",
+                  f"## Batched run time, `jit(vmap(...))` over {opts.batch} points (milliseconds per call, median)",
+                  "", *timing_table(results, "batched", "ms"), "",
+                  "## First call: trace + compile + run (milliseconds, median)", "",
+                  *first_call_table(results), "",
+                  "## Operation counts: multiplications (additions)", "",
+                  *ops_table(results), ""]
+    if structured:
+        lines += ["## Structured Jacobians at the example point (milliseconds per call, median)", "",
+                  *structured_table(structured), ""]
     return "\n".join(lines)
 
 
@@ -443,7 +483,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
-    parser.add_argument("--programs", help="comma-separated subset of: " + ", ".join(PROGRAMS))
+    parser.add_argument("--programs", help="comma-separated subset of: " + ", ".join(PROGRAMS + STRUCTURED))
     parser.add_argument("--rounds", type=int, help=f"rounds of interleaved timing (default {FULL['rounds']})")
     parser.add_argument("--calls", type=int, help=f"calls per competitor per round (default {FULL['calls']})")
     parser.add_argument("--batch", type=int, help=f"points in the batched measurement (default {FULL['batch']})")
@@ -464,12 +504,12 @@ def parse_args(argv):
             parser.error(f"--{key.replace('_', '-')} must be at least 1")
     if opts.programs:
         opts.programs = [p.strip() for p in opts.programs.split(",") if p.strip()]
-        unknown = [p for p in opts.programs if p not in PROGRAMS]
+        unknown = [p for p in opts.programs if p not in PROGRAMS + STRUCTURED]
         if unknown or not opts.programs:
             what = f"unknown program(s) {', '.join(unknown)}" if unknown else "no program given"
-            parser.error(f"{what}; choose from {', '.join(PROGRAMS)}")
+            parser.error(f"{what}; choose from {', '.join(PROGRAMS + STRUCTURED)}")
     else:
-        opts.programs = list(PROGRAMS)
+        opts.programs = list(PROGRAMS + STRUCTURED)
     return opts
 
 
@@ -481,13 +521,14 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)  # no persistent cache: first calls compile
-    results = [bench_program(name, *load_program(name), opts) for name in opts.programs]
-    text = report(results, opts, machine, load_before, _loadavg(), time.monotonic() - started)
+    results = [bench_program(name, *load_program(name), opts) for name in opts.programs if name in PROGRAMS]
+    structured = [bench_structured(name, *load_program(name), opts) for name in opts.programs if name in STRUCTURED]
+    text = report(results, opts, machine, load_before, _loadavg(), time.monotonic() - started, structured)
     print(text)
     if opts.output:
         opts.output.write_text(text)
         note(f"wrote {opts.output}")
-    wrong = [f"{r.name} ({o})" for r in results for o, d in r.deviation.items() if not d <= TOLERANCE]
+    wrong = [f"{r.name} ({o})" for r in results + structured for o, d in r.deviation.items() if not d <= TOLERANCE]
     if wrong:
         note("error: jacve disagrees with jax.jacrev on " + ", ".join(wrong))
         return 1

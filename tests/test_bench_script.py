@@ -147,7 +147,7 @@ def test_options(bench):
     assert quick.programs == ["encoder", "perceptron"]
     assert (quick.rounds, quick.calls, quick.batch) == (bench.QUICK["rounds"], 5, bench.QUICK["batch"])
     full = bench.parse_args([])
-    assert full.programs == list(bench.PROGRAMS) and full.batch == 1024 and full.output is None
+    assert full.programs == list(bench.PROGRAMS + bench.STRUCTURED) and full.batch == 1024 and full.output is None
 
 
 def test_round_robin_caps_slow_calls_by_budget(bench):
@@ -165,3 +165,24 @@ def test_round_robin_caps_slow_calls_by_budget(bench):
     assert calls["fast"] == 2 + 3 * 10  # two warm-up calls, then every round in full
     assert 2 + 3 * 1 <= calls["slow"] <= 2 + 3 * 2  # 0.05 s affords at most two 0.02 s calls a round
     assert times["slow"] >= 0.02 > times["fast"]
+
+
+def stencil(u):
+    """A three-point stencil: a tridiagonal Jacobian."""
+    p = jnp.pad(u, 1)
+    return p[:-2] - 2.0 * p[1:-1] + p[2:] + jnp.exp(u)
+
+
+def test_structured_programs_are_timed_and_checked(bench):
+    opts = argparse.Namespace(**bench.QUICK, quick=True)
+    result = bench.bench_structured("stencil", stencil, (jnp.linspace(0.0, 1.0, 50),), opts)
+    assert set(result.run) == set(bench.COMPETITORS) and all(0 < t < 60 for t in result.run.values())
+    assert max(result.deviation.values()) <= bench.TOLERANCE
+    text = bench.report([], opts, bench.machine_description(), None, None, 1.0, [result])
+    assert "## Run time" not in text  # no benchmark task was measured
+    header, _, row, mean = _table(text, "Structured")
+    assert row[0] == "stencil" and header[-1] == "max deviation from `jax.jacrev`"
+    assert float(row[7]) == pytest.approx(bench.speed_ratio(result.run), abs=0.006)
+    assert float(row[-1]) <= bench.TOLERANCE and mean[0] == "**geo. mean**"
+    for name in bench.STRUCTURED:
+        assert (Path(bench.SAMPLES_DIR) / f"{name}.py").is_file()

@@ -414,11 +414,14 @@ def test_sums_of_selections_match_jacrev(name):
 
 
 def test_sums_of_selections_stay_sparse():
-    # a three-point stencil on 100,000 elements and x + x.T of a 300 x 300 matrix: a few values per
-    # output element in every order, where a dense block would hold 1e10 and 8.1e9 values
+    # a three-point stencil on 100,000 elements, x + x.T of a 300 x 300 matrix and a five-point stencil
+    # on a 300 x 300 grid: a few values per output element in every order, where a dense block would
+    # hold 1e10, 8.1e9 and 8.1e9 values
     n = 100_000
+    bratu_2d, _ = load_sample("bratu_2d")  # the five-point stencil the README cites, on a 300 x 300 grid
     cases = [(SELECTION_SUMS["laplacian"], jnp.linspace(0.0, 1.0, n), 3),
-             (lambda a: jnp.tanh(0.5 * (a + a.T)), jnp.ones((300, 300)), 2)]
+             (lambda a: jnp.tanh(0.5 * (a + a.T)), jnp.ones((300, 300)), 2),
+             (bratu_2d, jnp.ones((300, 300)), 5)]
     for fun, x, width in cases:
         for order in ("fwd", "rev", "markowitz"):
             problem = trace_problem(fun, x)

@@ -36,6 +36,8 @@ SAMPLES = {
     "black_scholes_jacobian": "black_scholes_jacobian",
     "perceptron": "perceptron",
     "encoder": "encoder",
+    "bratu_1d": "bratu_1d",
+    "bratu_2d": "bratu_2d",
 }
 
 # AlphaGrad benchmark tasks -> a phrase their module docstring must cite for the mathematics.
