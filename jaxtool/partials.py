@@ -909,14 +909,15 @@ def _distributed(b: Partial, a: Partial) -> Optional[tuple]:
 def _parts_to_dense(parts, shape, dtype):
     """The dense block of a sum of scaled selections: their entries scattered into zeros (no
     output element reads the scales more than once)."""
-    n_in = _size(parts[0].in_shape)
-    flat_index, values = [], []
+    rows, columns, values = [], [], []
     for p in parts:
         index = p.index.reshape(-1)
         picked = np.flatnonzero(index >= 0)
-        flat_index.append(picked * n_in + index[picked])
+        rows.append(picked)
+        columns.append(index[picked])
         scale = _full_scale(p, dtype).reshape(-1)
         values.append(scale if len(picked) == len(index) else scale[picked])
-    dense = jnp.zeros(_size(shape), dtype).at[np.concatenate(flat_index)].add(
-        jnp.concatenate(values), mode="promise_in_bounds")
+    dense = jnp.zeros((_size(parts[0].out_shape), _size(parts[0].in_shape)), dtype)
+    dense = dense.at[np.concatenate(rows), np.concatenate(columns)].add(jnp.concatenate(values),
+                                                                         mode="promise_in_bounds")
     return dense.reshape(shape)

@@ -429,6 +429,9 @@ def test_sums_of_selections_stay_sparse():
             (partial,) = problem.graph.preds[problem.outputs[0]].values()
             assert isinstance(partial, Linear) and len(partial.parts) == width, order
             assert partial.stored == width * int(np.prod(partial.out_shape)), order
+    # densifying stages a scatter into an 8.1e9-element block: more elements than an int32 counts
+    traced = jax.jit(jaxtool.jacve(bratu_2d)).trace(jnp.ones((300, 300)))
+    assert traced.out_info.shape == (300,) * 4
 
 
 def test_division_by_a_scalar_stores_one_value():
