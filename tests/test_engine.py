@@ -334,6 +334,18 @@ def test_composes_with_jit_vmap_and_second_derivatives():
     jax.extend.core.check_jaxpr(closed.jaxpr)
 
 
+def test_sums_of_selections_compose_with_vmap_and_second_derivatives():
+    f = lambda x: jnp.tanh(jnp.diff(jnp.sin(x)) + x[1:] * x[:-1]) + jnp.roll(x, 2)[1:]  # noqa: E731
+    batch = jnp.linspace(0.1, 1.3, 12).reshape(3, 4)
+    hessian = jax.jacfwd(jax.jacrev(f))(batch[0])
+    for order in ("fwd", "rev", "markowitz"):
+        np.testing.assert_allclose(jax.jit(jax.vmap(jaxtool.jacve(f, order)))(batch), jax.vmap(jax.jacrev(f))(batch),
+                                   rtol=1e-5, atol=1e-6)
+        for outer in (jax.jacfwd, jax.jacrev, lambda g: jaxtool.jacve(g, order)):
+            np.testing.assert_allclose(outer(jaxtool.jacve(f, order))(batch[0]), hessian, rtol=1e-5, atol=1e-6)
+    jax.extend.core.check_jaxpr(jax.make_jaxpr(jaxtool.jacve(f))(batch[0]).jaxpr)
+
+
 # --- structure
 
 
