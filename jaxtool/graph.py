@@ -18,8 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import numpy as np
+
 import jax
 import jax.extend.core as jcore
+import jax.numpy as jnp
 from jax.extend.core import primitives as P
 
 #: Call-like primitives whose body is inlined into the graph. ``remat2`` is ``jax.checkpoint``.
@@ -154,11 +157,78 @@ def read(atom, args, values):
 
 
 def evaluate(program: FlatProgram, args) -> dict:
-    """Run ``program`` on flat ``args``; return the value of every vertex (number -> array)."""
+    """Run ``program`` on flat ``args``; return the value of every vertex (number -> array).
+
+    Integer and boolean values computed from constants alone by the primitives of
+    :data:`NUMPY_RULES` (index arithmetic such as the wrapping of negative indices, masks from
+    ``iota``) are computed in NumPy while tracing, even under ``jax.jit``, so that rules see them
+    (a gather or scatter-add with known indices is a known selection).
+    """
     values: dict = {}
+    known = set()  # vertices whose values are NumPy arrays computed while tracing
     for eqn in program.eqns:
-        outs = bind(eqn, *(read(a, args, values) for a in eqn.invars))
-        if not eqn.primitive.multiple_results:
-            outs = (outs,)
+        invals = [read(a, args, values) for a in eqn.invars]
+        outs = _in_numpy(program, eqn, invals, known)
+        if outs is None:
+            outs = bind(eqn, *invals)
+            if not eqn.primitive.multiple_results:
+                outs = (outs,)
+        else:
+            known.update(eqn.outvars)
         values.update(zip(eqn.outvars, outs))
     return values
+
+
+def _in_numpy(program: FlatProgram, eqn: FlatEqn, invals, known: set):
+    """``eqn``'s results computed in NumPy, if it has a NumPy rule, reads constants only and makes
+    integer or boolean values; else None."""
+    rule = NUMPY_RULES.get(eqn.name)
+    if rule is None or not all(isinstance(a, Const) or a in known for a in eqn.invars):
+        return None
+    avals = [program.avals[v] for v in eqn.outvars]
+    if not all(jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == bool for a in avals):
+        return None
+    try:
+        arrays = [np.asarray(x) for x in invals]
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None  # a constant closed over from an enclosing trace
+    out = rule(*arrays, **eqn.params)
+    return None if out is None else (np.broadcast_to(np.asarray(out), avals[0].shape).astype(avals[0].dtype),)
+
+
+def _np_select_n(which, *cases):
+    return np.choose(np.asarray(which, np.int64), np.broadcast_arrays(*cases))
+
+
+def _np_iota(*, dtype, shape, dimension, **_):
+    axis = [1] * len(shape)
+    axis[dimension] = shape[dimension]
+    return np.arange(shape[dimension]).reshape(axis)
+
+
+def _np_broadcast_in_dim(x, *, shape, broadcast_dimensions, **_):
+    expanded = [1] * len(shape)
+    for d, n in zip(broadcast_dimensions, np.shape(x)):
+        expanded[d] = n
+    return np.broadcast_to(np.reshape(x, expanded), shape)
+
+
+#: NumPy forms of integer and boolean primitives, for values computed from constants (see :func:`evaluate`)
+NUMPY_RULES = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
+    "neg": np.negative, "abs": np.abs, "sign": np.sign, "rem": np.fmod,
+    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal,
+    "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor, "not": np.invert,
+    "select_n": _np_select_n,
+    "clamp": lambda lo, x, hi: np.clip(x, lo, hi),
+    "convert_element_type": lambda x, **_: x,
+    "iota": _np_iota,
+    "broadcast_in_dim": _np_broadcast_in_dim,
+    "reshape": lambda x, *, new_sizes, dimensions, **_: np.reshape(x, new_sizes) if dimensions is None else None,
+    "squeeze": lambda x, *, dimensions: np.squeeze(x, dimensions),
+    "transpose": lambda x, *, permutation: np.transpose(x, permutation),
+    "concatenate": lambda *xs, dimension: np.concatenate(xs, dimension),
+    "slice": lambda x, *, start_indices, limit_indices, strides: x[tuple(
+        slice(a, b, c) for a, b, c in zip(start_indices, limit_indices, strides or (1,) * np.ndim(x)))],
+    "copy": lambda x: x,
+}

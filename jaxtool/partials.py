@@ -218,6 +218,11 @@ class Sparse(Partial):
 # Linear
 
 
+#: a selection's dense block of at most this many elements is written as a where over its 0/1
+#: pattern (fused by XLA); a larger one as its entries scattered into zeros (no pattern constant)
+SMALL_DENSE = 1 << 12
+
+
 @dataclass(frozen=True)
 class Linear(Partial):
     out_shape: tuple
@@ -284,9 +289,9 @@ class Linear(Partial):
     def to_dense(self):
         """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""
         n_in, n_out = _size(self.in_shape), _size(self.out_shape)
-        if self.parts:
-            return _parts_to_dense(self.parts, self.shape, self.dtype)
-        if self.index is not None:
+        if self.parts or (self.index is not None and n_out * n_in > SMALL_DENSE):
+            return _parts_to_dense(self.parts or (self,), self.shape, self.dtype)
+        if self.index is not None:  # small: a 0/1 pattern known while tracing, scaled
             one_hot = self.index.reshape(n_out, 1) == np.arange(n_in)
             one_hot = one_hot.reshape(self.shape)
             if self.has_scale:  # the scale on the selected entries only (see unpair)
@@ -758,7 +763,7 @@ def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
     cost = Cost(0, n_out)
     xs, ys = _selections(x), _selections(y)
     if xs and ys:
-        summed = _sum_of_selections(xs + ys, dtype)
+        summed = sum_of_selections(xs + ys, dtype)
         if summed is not None:
             return summed, cost
     result = Linear(x.out_shape, x.in_shape, dtype, selection=False,
@@ -812,7 +817,7 @@ def _selections(x: Linear) -> Optional[tuple]:
     return (x,) if x.index is not None else None
 
 
-def _sum_of_selections(terms, dtype) -> Optional[Linear]:
+def sum_of_selections(terms, dtype) -> Optional[Linear]:
     """The sum of scaled selections with known indices: one selection where their indices agree or
     never select into the same output element, else a Linear with the merged terms as its parts;
     None if more than :data:`MAX_PARTS` remain."""
@@ -840,6 +845,24 @@ def _sum_of_selections(terms, dtype) -> Optional[Linear]:
     fn = lambda t: functools.reduce(lax.add, [cast(p.apply(t), dtype) for p in parts])  # noqa: E731
     fn_t = lambda c: functools.reduce(lax.add, [cast(p.apply_t(c), dtype) for p in parts])  # noqa: E731
     return replace(result, fn=fn, fn_t=fn_t)
+
+
+def selection_from_index(out_shape, in_shape, index: np.ndarray, dtype) -> Linear:
+    """The selection ``J(t)[o] = t.flat[index[o]]`` (zero where ``index`` is -1), each input element
+    selected at most once, from its index array (of ``out_shape``)."""
+    out_shape, in_shape = tuple(out_shape), tuple(in_shape)
+    flat = index.reshape(-1)
+    picked = np.flatnonzero(flat >= 0)
+    n_in = _size(in_shape)
+
+    def fn(t):
+        return _take_or_zero(jnp.reshape(t, (n_in,)), flat, axis=0).reshape(out_shape)
+
+    def fn_t(c):
+        rows = jnp.reshape(c, (-1,))[picked]
+        return jnp.zeros(n_in, c.dtype).at[flat[picked]].set(rows, unique_indices=True).reshape(in_shape)
+
+    return Linear(out_shape, in_shape, np.dtype(dtype), fn=fn, fn_t=fn_t, selection=True, index=index)
 
 
 def _same_selection_add(x: Linear, y: Linear, dtype) -> Linear:
@@ -880,7 +903,7 @@ def _diagonals_as_parts(x: Partial, y: Partial) -> Optional[tuple]:
     n_out = _size(x.out_shape)
     if not xs or not ys or (len(xs) + len(ys)) * n_out >= other_form:
         return None
-    summed = _sum_of_selections(xs + ys, np.dtype(_result_dtype(x, y)))
+    summed = sum_of_selections(xs + ys, np.dtype(_result_dtype(x, y)))
     return None if summed is None else (summed, Cost(0, n_out))
 
 

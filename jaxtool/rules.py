@@ -28,7 +28,7 @@ from jax.extend.core import primitives as P
 from jaxtool._compat import split_p
 from jaxtool.errors import UnsupportedError
 from jaxtool.graph import FlatEqn, bind
-from jaxtool.partials import Linear, Sparse, reshaped
+from jaxtool.partials import MAX_PARTS, Linear, Sparse, reshaped, selection_from_index, sum_of_selections
 
 Rule = Callable  # (eqn, invals, outvals, wrt) -> list[(int, int, Partial)]
 RULES: dict = {}
@@ -377,7 +377,7 @@ def _selection_index(eqn, invals, i, k):
     needs a traced integer operand or the primitive has no NumPy form here."""
     rule = SELECTION_INDEX.get(eqn.primitive)
     if rule is None:
-        return None
+        return _selection_index_by_evaluation(eqn, invals, i, k)
     ops = []
     for j, x in enumerate(invals):
         shape = _shape(x)
@@ -394,6 +394,47 @@ def _selection_index(eqn, invals, i, k):
     if out is None:
         return None
     return np.asarray(out[k] if eqn.primitive.multiple_results else out)
+
+
+def _concrete_operands(eqn, invals, i, value):
+    """The operands of ``eqn`` with operand ``i`` replaced by ``value`` (float32), the other
+    floating-point operands by float32 zeros and the integer ones (indices) as NumPy arrays;
+    None if an integer operand is traced or a floating-point one is not real."""
+    ops = []
+    for j, x in enumerate(invals):
+        aval = jax.typeof(x)
+        if is_differentiable(aval) or j == i:
+            if not jnp.issubdtype(aval.dtype, jnp.floating):
+                return None
+            ops.append(value if j == i else np.zeros(aval.shape, np.float32))
+            continue
+        try:
+            ops.append(np.asarray(x))
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            return None
+    return ops
+
+
+#: element numbers are exact in float32 below this count
+EXACT_FLOAT32_COUNT = 1 << 24
+
+
+def _selection_index_by_evaluation(eqn, invals, i, k):
+    """:func:`_selection_index` for a selection without a NumPy form here (``gather``): the primitive
+    run, while tracing, on element numbers 1, 2, ... in float32 (0 out of bounds: -1)."""
+    shape = _shape(invals[i])
+    n = int(np.prod(shape))
+    numbers = (np.arange(n, dtype=np.float32) + 1).reshape(shape)
+    ops = _concrete_operands(eqn, invals, i, numbers) if n < EXACT_FLOAT32_COUNT else None
+    if ops is None:
+        return None
+    params = dict(eqn.params)
+    if params.get("fill_value") is not None:
+        params["fill_value"] = 0
+    with jax.ensure_compile_time_eval():
+        out = eqn.primitive.bind(*ops, **eqn.primitive.get_bind_params(params))
+    out = np.asarray(out[k] if eqn.primitive.multiple_results else out)
+    return np.rint(out).astype(np.int64) - 1
 
 
 def _np_pad(x, value, *, padding_config):
@@ -470,7 +511,53 @@ def sort(eqn, invals, outvals, wrt):
             for i in wrt if is_differentiable(jax.typeof(outvals[i]))]
 
 
-@register(P.scatter_add_p, P.reduce_window_sum_p)
+@register(P.scatter_add_p)
+def scatter_add(eqn, invals, outvals, wrt):
+    """``operand`` plus ``updates`` added in at the indices: the identity on the operand; on the
+    updates, where the indices are known while tracing, a sum of selections (output element ``o``
+    reads the first, second, ... update that adds into it), else a lazily applied map."""
+    result = []
+    for i in wrt:
+        if i == 0:
+            result.append((0, 0, Sparse.identity(_shape(outvals[0]), jax.typeof(outvals[0]).dtype)))
+            continue
+        partial = _scatter_add_as_selections(eqn, invals, outvals)
+        if partial is None:
+            partial = _linear_from_jvp(eqn, invals, outvals, i, 0, selection=False, flops=0, opaque=False)
+        result.append((i, 0, partial))
+    return result
+
+
+def _scatter_add_as_selections(eqn, invals, outvals):
+    """The partial of ``scatter_add`` on its updates as a sum of at most ``MAX_PARTS`` selections,
+    or None (traced indices, more updates into one element). The output element each update adds
+    into comes from the transposed map (a gather) run on element numbers 1, 2, ... in float32."""
+    out_shape, upd_shape = _shape(outvals[0]), _shape(invals[2])
+    n_out = int(np.prod(out_shape))
+    numbers = (np.arange(n_out, dtype=np.float32) + 1).reshape(out_shape)
+    ops = _concrete_operands(eqn, invals, 2, np.zeros(upd_shape, np.float32)) if n_out < EXACT_FLOAT32_COUNT else None
+    if ops is None:
+        return None
+    with jax.ensure_compile_time_eval():
+        (target,) = jax.linear_transpose(lambda t: bind(eqn, ops[0], ops[1], t),
+                                         jax.ShapeDtypeStruct(upd_shape, np.float32))(numbers)
+    target = np.rint(np.asarray(target)).astype(np.int64).reshape(-1) - 1  # per update: its output element
+    added = np.flatnonzero(target >= 0)
+    counts = np.bincount(target[added], minlength=n_out)
+    if not 0 < counts.max(initial=0) <= MAX_PARTS:
+        return None
+    added = added[np.argsort(target[added], kind="stable")]  # grouped by output element, in update order
+    rank = np.arange(len(added)) - (np.cumsum(counts) - counts)[target[added]]  # place within its group
+    dtype = jax.typeof(outvals[0]).dtype
+    parts = []
+    for r in range(counts.max()):
+        index = np.full(n_out, -1)
+        index[target[added[rank == r]]] = added[rank == r]
+        parts.append(selection_from_index(out_shape, upd_shape, index.reshape(out_shape), dtype))
+    return sum_of_selections(parts, np.dtype(dtype))
+
+
+@register(P.reduce_window_sum_p)
 def summing(eqn, invals, outvals, wrt):
     """Linear maps that add input elements together: zero multiplications, not a selection."""
     return [(i, k, _linear_from_jvp(eqn, invals, outvals, i, k, selection=False, flops=0, opaque=False))

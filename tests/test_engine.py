@@ -334,6 +334,54 @@ def test_composes_with_jit_vmap_and_second_derivatives():
     jax.extend.core.check_jaxpr(closed.jaxpr)
 
 
+#: scatter-adds and gathers with indices known while tracing (closed-over NumPy arrays, index arithmetic on them)
+RNG_INDEX = np.random.default_rng(3)
+GATHER, SEGMENT = RNG_INDEX.integers(0, 25, 60), RNG_INDEX.integers(0, 10, 60)
+KNOWN_INDICES = {
+    "gather then segment_sum": lambda x: jax.ops.segment_sum(jnp.sin(x)[GATHER], SEGMENT, 10),
+    "scatter-add dropping out of bounds": lambda x: jnp.zeros(5).at[np.array([0, 2, 2, 7])].add(x[:4] ** 2, mode="drop"),
+    "scatter-add into a matrix row": lambda x: jnp.zeros((3, 4)).at[np.array([0, 2, 0]), 1].add(x[:3]) * x[3],
+    "scatter-add into the operand": lambda x: x.at[np.array([1, 1, 1, -2])].add(x[:4] * x[5]),
+    "more than MAX_PARTS into one element": lambda x: jnp.zeros(2).at[np.zeros(20, int)].add(x[:20]),
+    "negative gather indices": lambda x: jnp.exp(x)[np.array([-1, -3, 0, 4])] * x[:4],
+    "interp on a constant grid": lambda x: jnp.interp(jnp.linspace(0.0, 1.0, 7), jnp.linspace(0.0, 1.0, 25), jnp.sin(x)),
+    "triu mask from iota": lambda x: jnp.triu(jnp.exp(x.reshape(5, 5))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_INDICES))
+def test_known_indices_match_jacrev(name):
+    fun = KNOWN_INDICES[name]
+    x = jnp.linspace(0.2, 1.5, 25)
+    want = jax.jacrev(fun)(x)
+    assert_orders_match(fun, (x,), 0, want, lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 4, seed=5),
+                        rtol=1e-5, atol=1e-6)
+    for order in ("fwd", "rev", "markowitz"):
+        assert_same_jacobian(jax.jit(jaxtool.jacve(fun, order=order))(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_known_indices_are_known_under_jit():
+    # under jax.jit the index arithmetic (wrapping negative indices) is computed while tracing, so a
+    # gather followed by a segment_sum stays a few selections: one value per update, not n_out x n_in
+    gathered, segment = np.arange(3000) % 2000, np.arange(3000) % 500
+    fun = lambda x: jax.ops.segment_sum(jnp.sin(x)[gathered], segment, 500)  # noqa: E731
+    x = jnp.linspace(0.0, 1.0, 2000)
+    seen = []
+
+    def staged(x):
+        problem = trace_problem(fun, x)
+        run(problem, resolve_order("rev", problem))
+        (partial,) = problem.graph.preds[problem.outputs[0]].values()
+        seen.append(partial)
+        return x
+
+    jax.jit(staged)(x)
+    (partial,) = seen
+    # output o adds updates o, o + 500, ..., o + 2500, which gather x[o], x[o + 500], x[o + 1000],
+    # x[o + 1500], x[o], x[o + 500]: four selections, those reading one element merged
+    assert isinstance(partial, Linear) and len(partial.parts) == 4 and partial.stored == 4 * 500
+
+
 def test_sums_of_selections_compose_with_vmap_and_second_derivatives():
     f = lambda x: jnp.tanh(jnp.diff(jnp.sin(x)) + x[1:] * x[:-1]) + jnp.roll(x, 2)[1:]  # noqa: E731
     batch = jnp.linspace(0.1, 1.3, 12).reshape(3, 4)
