@@ -349,17 +349,6 @@ KNOWN_INDICES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(KNOWN_INDICES))
-def test_known_indices_match_jacrev(name):
-    fun = KNOWN_INDICES[name]
-    x = jnp.linspace(0.2, 1.5, 25)
-    want = jax.jacrev(fun)(x)
-    assert_orders_match(fun, (x,), 0, want, lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 4, seed=5),
-                        rtol=1e-5, atol=1e-6)
-    for order in ("fwd", "rev", "markowitz"):
-        assert_same_jacobian(jax.jit(jaxtool.jacve(fun, order=order))(x), want, rtol=1e-5, atol=1e-6)
-
-
 def test_known_indices_are_known_under_jit():
     # under jax.jit the index arithmetic (wrapping negative indices) is computed while tracing, so a
     # gather followed by a segment_sum stays a few selections: one value per update, not n_out x n_in
@@ -463,14 +452,15 @@ SELECTION_SUMS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SELECTION_SUMS))
-def test_sums_of_selections_match_jacrev(name):
-    fun = SELECTION_SUMS[name]
+@pytest.mark.parametrize("name", sorted(SELECTION_SUMS) + sorted(KNOWN_INDICES))
+def test_sums_of_selections_and_known_indices_match_jacrev(name):
+    fun = SELECTION_SUMS.get(name) or KNOWN_INDICES[name]
     x = jnp.linspace(0.2, 1.5, 25)
     want = jax.jacrev(fun)(x)
-    assert_orders_match(fun, (x,), 0, want, lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 4, seed=11),
+    assert_orders_match(fun, (x,), 0, want, lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 4, seed=5),
                         rtol=1e-5, atol=1e-6)
-    assert_same_jacobian(jax.jit(jaxtool.jacve(fun, order="fwd"))(x), want, rtol=1e-5, atol=1e-6)
+    for order in ("fwd", "rev", "markowitz"):
+        assert_same_jacobian(jax.jit(jaxtool.jacve(fun, order=order))(x), want, rtol=1e-5, atol=1e-6)
 
 
 def test_sums_of_selections_stay_sparse():
