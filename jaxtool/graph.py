@@ -160,7 +160,7 @@ def evaluate(program: FlatProgram, args) -> dict:
     """Run ``program`` on flat ``args``; return the value of every vertex (number -> array).
 
     Integer and boolean values computed from constants alone by the primitives of
-    :data:`NUMPY_RULES` (index arithmetic such as the wrapping of negative indices, masks from
+    :data:`NUMPY_RULES`, up to ``FOLDED_SIZE`` elements (index arithmetic such as the wrapping of negative indices, masks from
     ``iota``) are computed in NumPy while tracing, even under ``jax.jit``, so that rules see them
     (a gather or scatter-add with known indices is a known selection).
     """
@@ -179,14 +179,19 @@ def evaluate(program: FlatProgram, args) -> dict:
     return values
 
 
+#: values computed from constants are computed while tracing up to this many elements (larger ones,
+#: such as the masks of ``jnp.triu`` on a large matrix, are left to XLA rather than become constants)
+FOLDED_SIZE = 1 << 16
+
+
 def _in_numpy(program: FlatProgram, eqn: FlatEqn, invals, known: set):
     """``eqn``'s results computed in NumPy, if it has a NumPy rule, reads constants only and makes
-    integer or boolean values; else None."""
+    integer or boolean values of at most ``FOLDED_SIZE`` elements; else None."""
     rule = NUMPY_RULES.get(eqn.name)
     if rule is None or not all(isinstance(a, Const) or a in known for a in eqn.invars):
         return None
     avals = [program.avals[v] for v in eqn.outvars]
-    if not all(jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == bool for a in avals):
+    if not all((jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == bool) and a.size <= FOLDED_SIZE for a in avals):
         return None
     try:
         arrays = [np.asarray(x) for x in invals]

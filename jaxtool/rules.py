@@ -373,8 +373,8 @@ def _linear_by_bind(eqn, invals, outvals, i, k):
 
 def _selection_index(eqn, invals, i, k):
     """Per output element of result ``k``, the flat index of the element of operand ``i`` it copies
-    (-1: none), computed in NumPy by running the primitive on element numbers; ``None`` where that
-    needs a traced integer operand or the primitive has no NumPy form here."""
+    (-1: none), computed by running the primitive on element numbers (in NumPy where it has a
+    NumPy form here, else with JAX while tracing); ``None`` where that needs a traced integer operand."""
     rule = SELECTION_INDEX.get(eqn.primitive)
     if rule is None:
         return _selection_index_by_evaluation(eqn, invals, i, k)
