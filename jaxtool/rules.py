@@ -27,7 +27,7 @@ from jax.extend.core import primitives as P
 
 from jaxtool._compat import split_p
 from jaxtool.errors import UnsupportedError
-from jaxtool.graph import FlatEqn, bind
+from jaxtool.graph import NUMPY_RULES, FlatEqn, bind
 from jaxtool.partials import MAX_PARTS, Linear, Sparse, reshaped, selection_from_index, sum_of_selections
 
 Rule = Callable  # (eqn, invals, outvals, wrt) -> list[(int, int, Partial)]
@@ -378,35 +378,25 @@ def _selection_index(eqn, invals, i, k):
     rule = SELECTION_INDEX.get(eqn.primitive)
     if rule is None:
         return _selection_index_by_evaluation(eqn, invals, i, k)
-    ops = []
-    for j, x in enumerate(invals):
-        shape = _shape(x)
-        if j == i:
-            ops.append(np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape))
-        elif is_differentiable(jax.typeof(x)):
-            ops.append(np.full(shape, -1, np.int64))
-        else:
-            try:
-                ops.append(np.asarray(x))
-            except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-                return None
-    out = rule(*ops, **eqn.params)
+    shape = _shape(invals[i])
+    ops = _concrete_operands(invals, i, np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape), -1)
+    out = None if ops is None else rule(*ops, **eqn.params)
     if out is None:
         return None
     return np.asarray(out[k] if eqn.primitive.multiple_results else out)
 
 
-def _concrete_operands(eqn, invals, i, value):
-    """The operands of ``eqn`` with operand ``i`` replaced by ``value`` (float32), the other
-    floating-point operands by float32 zeros and the integer ones (indices) as NumPy arrays;
-    None if an integer operand is traced or a floating-point one is not real."""
+def _concrete_operands(invals, i, value, fill):
+    """The operands with operand ``i`` replaced by ``value``, the other floating-point ones by
+    arrays of ``fill`` (of ``value``'s dtype) and the integer ones (indices) as NumPy arrays; None
+    if an integer operand is traced or a floating-point one is not real."""
     ops = []
     for j, x in enumerate(invals):
         aval = jax.typeof(x)
         if is_differentiable(aval) or j == i:
             if not jnp.issubdtype(aval.dtype, jnp.floating):
                 return None
-            ops.append(value if j == i else np.zeros(aval.shape, np.float32))
+            ops.append(value if j == i else np.full(aval.shape, fill, value.dtype))
             continue
         try:
             ops.append(np.asarray(x))
@@ -425,7 +415,7 @@ def _selection_index_by_evaluation(eqn, invals, i, k):
     shape = _shape(invals[i])
     n = int(np.prod(shape))
     numbers = (np.arange(n, dtype=np.float32) + 1).reshape(shape)
-    ops = _concrete_operands(eqn, invals, i, numbers) if n < EXACT_FLOAT32_COUNT else None
+    ops = _concrete_operands(invals, i, numbers, 0) if n < EXACT_FLOAT32_COUNT else None
     if ops is None:
         return None
     params = dict(eqn.params)
@@ -474,11 +464,10 @@ def _np_dynamic_slice(x, *starts, slice_sizes):
 
 #: NumPy forms of the linear selection primitives, evaluated on element numbers (see ``_selection_index``)
 SELECTION_INDEX = {
-    P.slice_p: lambda x, *, start_indices, limit_indices, strides: x[tuple(
-        slice(a, b, c) for a, b, c in zip(start_indices, limit_indices, strides or (1,) * x.ndim))],
+    P.slice_p: NUMPY_RULES["slice"],
     P.rev_p: lambda x, *, dimensions: np.flip(x, dimensions),
-    P.reshape_p: lambda x, *, new_sizes, dimensions, **_: None if dimensions else x.reshape(new_sizes),
-    P.concatenate_p: lambda *xs, dimension: np.concatenate(xs, dimension),
+    P.reshape_p: NUMPY_RULES["reshape"],
+    P.concatenate_p: NUMPY_RULES["concatenate"],
     P.pad_p: _np_pad,
     split_p: lambda x, *, sizes, axis: np.split(x, np.cumsum(sizes)[:-1], axis),
     P.dynamic_slice_p: _np_dynamic_slice,
@@ -535,7 +524,7 @@ def _scatter_add_as_selections(eqn, invals, outvals):
     out_shape, upd_shape = _shape(outvals[0]), _shape(invals[2])
     n_out = int(np.prod(out_shape))
     numbers = (np.arange(n_out, dtype=np.float32) + 1).reshape(out_shape)
-    ops = _concrete_operands(eqn, invals, 2, np.zeros(upd_shape, np.float32)) if n_out < EXACT_FLOAT32_COUNT else None
+    ops = _concrete_operands(invals, 2, np.zeros(upd_shape, np.float32), 0) if n_out < EXACT_FLOAT32_COUNT else None
     if ops is None:
         return None
     with jax.ensure_compile_time_eval():
