@@ -459,8 +459,7 @@ def test_sums_of_selections_and_known_indices_match_jacrev(name):
     want = jax.jacrev(fun)(x)
     assert_orders_match(fun, (x,), 0, want, lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 4, seed=5),
                         rtol=1e-5, atol=1e-6)
-    for order in ("fwd", "rev", "markowitz"):
-        assert_same_jacobian(jax.jit(jaxtool.jacve(fun, order=order))(x), want, rtol=1e-5, atol=1e-6)
+    assert_same_jacobian(jax.jit(jaxtool.jacve(fun, order="markowitz"))(x), want, rtol=1e-5, atol=1e-6)  # staged
 
 
 def test_sums_of_selections_stay_sparse():
