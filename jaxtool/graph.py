@@ -160,9 +160,9 @@ def evaluate(program: FlatProgram, args) -> dict:
     """Run ``program`` on flat ``args``; return the value of every vertex (number -> array).
 
     Integer and boolean values computed from constants alone by the primitives of
-    :data:`NUMPY_RULES`, up to ``FOLDED_SIZE`` elements (index arithmetic such as the wrapping of negative indices, masks from
-    ``iota``) are computed in NumPy while tracing, even under ``jax.jit``, so that rules see them
-    (a gather or scatter-add with known indices is a known selection).
+    :data:`NUMPY_RULES`, up to ``FOLDED_SIZE`` elements (index arithmetic such as the wrapping of
+    negative indices, masks from ``iota``) are computed in NumPy while tracing, even under
+    ``jax.jit``, so that rules see them (a gather or scatter-add with known indices is a known selection).
     """
     values: dict = {}
     known = set()  # vertices whose values are NumPy arrays computed while tracing

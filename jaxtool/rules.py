@@ -356,9 +356,7 @@ def _linear_from_jvp(eqn, invals, outvals, i, k, *, selection, flops, opaque):
 def _linear_by_bind(eqn, invals, outvals, i, k):
     """For a primitive linear in its floating-point operands jointly: the map ``t -> eqn(t)`` with
     the other floating-point operands zero (integer operands, such as indices, kept)."""
-    params = dict(eqn.params)
-    if params.get("fill_value") is not None:
-        params["fill_value"] = 0  # gather's out-of-bounds fill is a constant: its tangent is zero
+    params = _zero_fill(eqn.params)
 
     def fn(t):
         args = [t if j == i else (jnp.zeros_like(x) if is_differentiable(jax.typeof(x)) else x)
@@ -405,26 +403,39 @@ def _concrete_operands(invals, i, value, fill):
     return ops
 
 
+def _zero_fill(params) -> dict:
+    """``params`` with gather's out-of-bounds fill value (a constant: no tangent, no index) zero."""
+    params = dict(params)
+    if params.get("fill_value") is not None:
+        params["fill_value"] = 0
+    return params
+
+
 #: element numbers are exact in float32 below this count
 EXACT_FLOAT32_COUNT = 1 << 24
+
+
+def _element_numbers(shape):
+    """Float32 element numbers 1, 2, ... laid out in ``shape``; None if float32 cannot count that far."""
+    n = int(np.prod(shape))
+    return (np.arange(n, dtype=np.float32) + 1).reshape(shape) if n < EXACT_FLOAT32_COUNT else None
+
+
+def _element_index(numbers) -> np.ndarray:
+    """The flat indices (-1 for 0: none) that element numbers moved by a linear selection stand for."""
+    return np.rint(np.asarray(numbers)).astype(np.int64) - 1
 
 
 def _selection_index_by_evaluation(eqn, invals, i, k):
     """:func:`_selection_index` for a selection without a NumPy form here (``gather``): the primitive
     run, while tracing, on element numbers 1, 2, ... in float32 (0 out of bounds: -1)."""
-    shape = _shape(invals[i])
-    n = int(np.prod(shape))
-    numbers = (np.arange(n, dtype=np.float32) + 1).reshape(shape)
-    ops = _concrete_operands(invals, i, numbers, 0) if n < EXACT_FLOAT32_COUNT else None
+    numbers = _element_numbers(_shape(invals[i]))
+    ops = None if numbers is None else _concrete_operands(invals, i, numbers, 0)
     if ops is None:
         return None
-    params = dict(eqn.params)
-    if params.get("fill_value") is not None:
-        params["fill_value"] = 0
     with jax.ensure_compile_time_eval():
-        out = eqn.primitive.bind(*ops, **eqn.primitive.get_bind_params(params))
-    out = np.asarray(out[k] if eqn.primitive.multiple_results else out)
-    return np.rint(out).astype(np.int64) - 1
+        out = eqn.primitive.bind(*ops, **eqn.primitive.get_bind_params(_zero_fill(eqn.params)))
+    return _element_index(out[k] if eqn.primitive.multiple_results else out)
 
 
 def _np_pad(x, value, *, padding_config):
@@ -523,14 +534,14 @@ def _scatter_add_as_selections(eqn, invals, outvals):
     into comes from the transposed map (a gather) run on element numbers 1, 2, ... in float32."""
     out_shape, upd_shape = _shape(outvals[0]), _shape(invals[2])
     n_out = int(np.prod(out_shape))
-    numbers = (np.arange(n_out, dtype=np.float32) + 1).reshape(out_shape)
-    ops = _concrete_operands(invals, 2, np.zeros(upd_shape, np.float32), 0) if n_out < EXACT_FLOAT32_COUNT else None
+    numbers = _element_numbers(out_shape)
+    ops = None if numbers is None else _concrete_operands(invals, 2, np.zeros(upd_shape, np.float32), 0)
     if ops is None:
         return None
     with jax.ensure_compile_time_eval():
         (target,) = jax.linear_transpose(lambda t: bind(eqn, ops[0], ops[1], t),
                                          jax.ShapeDtypeStruct(upd_shape, np.float32))(numbers)
-    target = np.rint(np.asarray(target)).astype(np.int64).reshape(-1) - 1  # per update: its output element
+    target = _element_index(target).reshape(-1)  # per update: its output element
     added = np.flatnonzero(target >= 0)
     counts = np.bincount(target[added], minlength=n_out)
     if not 0 < counts.max(initial=0) <= MAX_PARTS:
