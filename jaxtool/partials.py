@@ -266,6 +266,11 @@ class Linear(Partial):
         if self.fn is not None:
             return self.fn
         transposed = jax.linear_transpose(self.fn_t, self._out_struct())
+        try:
+            jax.eval_shape(transposed, self._in_struct())
+        except Exception:  # noqa: BLE001 - a VJP JAX cannot transpose (odeint's calls odeint): by rows
+            dense = replace(self, scale=None, has_scale=False).to_dense()
+            return lambda t: jnp.tensordot(dense, t, axes=len(self.in_shape))
         return lambda t: transposed(t)[0]
 
     def backward(self) -> Callable:

@@ -582,11 +582,19 @@ def conv(eqn, invals, outvals, wrt):
 # custom derivative rules
 
 
+def _as_jax_arrays(invals) -> list:
+    """Inputs as JAX arrays for rules that run code JAX wrote for its own tracers: the graph keeps
+    constants and integer values as NumPy arrays, which such code may index with a traced integer
+    (``odeint``'s VJP does ``ts[i]`` in a ``scan``), where a NumPy array raises."""
+    return [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in invals]
+
+
 @register(P.custom_jvp_call_p)
 def custom_jvp(eqn, invals, outvals, wrt):
     """The user's JVP rule, traced and eliminated as a linear sub-program: its structure survives."""
     from jaxtool.elimination import linear_partials
 
+    invals = _as_jax_arrays(invals)
     tangents = [jnp.zeros(_shape(invals[i]), jax.typeof(invals[i]).dtype) for i in wrt]
 
     def tangent_fn(primals, ts):
@@ -607,6 +615,7 @@ def custom_jvp(eqn, invals, outvals, wrt):
 @register(P.custom_vjp_call_p)
 def custom_vjp(eqn, invals, outvals, wrt):
     """The user's VJP rule, applied lazily as the transposed partial."""
+    invals = _as_jax_arrays(invals)
     result = []
     for i in wrt:
         def f(xi, i=i):
@@ -755,6 +764,7 @@ def opaque(eqn, invals, outvals, wrt):
     outs = _float_outputs(outvals)
     if not wrt or not outs:
         return []
+    invals = _as_jax_arrays(invals)
     jvp_error = _forward_rule_error(eqn, invals, wrt)
     if jvp_error is not None:  # JAX has no forward rule: try reverse mode
         try:

@@ -431,6 +431,21 @@ def test_custom_jvp_rules_keep_their_structure():
     np.testing.assert_allclose(partial.to_dense(), jax.jacrev(lambda x: jax.nn.softmax(x, axis=-1))(M), atol=1e-6)
 
 
+def test_custom_vjp_rules_jax_cannot_transpose_or_that_index_constants():
+    # odeint is a custom_vjp whose VJP indexes the time grid with a traced integer (a NumPy grid must
+    # reach it as a JAX array) and calls odeint again, which JAX cannot transpose: forward products
+    # then use the partial's rows. Both raised before.
+    from jax.experimental.ode import odeint
+
+    ts = np.array([0.0, 0.3, 0.5], np.float32)
+    f = lambda y0, a: odeint(lambda y, t, a: -a * y * jnp.sin(y), y0, ts, a)[1:] * y0  # noqa: E731
+    args = (X[:3], 1.5)
+    want = jax.jacrev(f, argnums=(0, 1))(*args)
+    assert_orders_match(f, args, (0, 1), want, lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 2, seed=3),
+                        rtol=1e-4, atol=1e-5)
+    assert_same_jacobian(jax.jit(jaxtool.jacve(f, order="fwd", argnums=(0, 1)))(*args), want, rtol=1e-4, atol=1e-5)
+
+
 def test_diagonal_times_slice_is_a_scaled_slice():
     problem = trace_problem(lambda x: jnp.sin(x)[1:4], X)
     run(problem, resolve_order("fwd", problem))
