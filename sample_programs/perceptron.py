@@ -3,8 +3,9 @@
 Source: layer normalisation from J. L. Ba, J. R. Kiros & G. E. Hinton, "Layer
 Normalization", arXiv:1607.06450 (2016), eqs. (3)-(4); the MLP and softmax cross-entropy
 are textbook (Goodfellow, Bengio & Courville, "Deep Learning", 2016, sec. 6.2.2.3).
-Benchmark task "Perceptron" of Lohoff & Neftci (AlphaGrad), arXiv:2406.05027, at small
-sizes: 4 inputs, 8 hidden units, 4 classes.
+Benchmark task "Perceptron" of Lohoff & Neftci (AlphaGrad), arXiv:2406.05027, with the
+argument shapes of that task as graphax (the paper's library, commit 5b13282) defines it:
+4 inputs, 8 hidden units, 4 classes, a scalar layer-norm gain and bias.
 """
 
 import jax
@@ -22,7 +23,7 @@ def _layer_norm(h, gamma, beta):
 
 
 def perceptron(x: "f32[4]", y: "f32[4]", W1: "f32[8,4]", b1: "f32[8]", W2: "f32[4,8]", b2: "f32[4]",
-               gamma: "f32[8]", beta: "f32[8]"):
+               gamma: "f32[]", beta: "f32[]"):
     """Cross-entropy loss of one sample; returns a scalar f32[].
 
     Arguments:
@@ -30,7 +31,7 @@ def perceptron(x: "f32[4]", y: "f32[4]", W1: "f32[8,4]", b1: "f32[8]", W2: "f32[
         y: f32[4], its one-hot class label (data, not a parameter);
         W1, b1: f32[8,4], f32[8], the hidden layer;
         W2, b2: f32[4,8], f32[4], the output layer producing logits;
-        gamma, beta: f32[8], the layer-norm gain and bias.
+        gamma, beta: f32[], the layer-norm gain and bias.
 
     Computes h = LayerNorm(tanh(W1 x + b1)), logits = W2 h + b2 and
     loss = -sum(y * log_softmax(logits)).
@@ -53,6 +54,6 @@ def perceptron_example_args():
     b1 = np.linspace(-0.1, 0.1, 8)
     W2 = 0.35 * rng.standard_normal((4, 8))
     b2 = np.zeros(4)
-    gamma = np.ones(8)
-    beta = np.zeros(8)
+    gamma = 1.0
+    beta = 0.0
     return tuple(jnp.asarray(a, jnp.float32) for a in (x, y, W1, b1, W2, b2, gamma, beta))
