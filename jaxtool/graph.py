@@ -57,10 +57,19 @@ class FlatEqn:
     outvars: tuple  # tuple[int, ...]: vertex numbers (a dropped result ``_`` still gets one)
     source_info: Any
     path: tuple  # tuple[int, ...]
+    callers: tuple = ()  # the source_info of each inlined call around it, innermost first
 
     @property
     def name(self) -> str:
         return self.primitive.name
+
+    def location(self) -> str | None:
+        """The user's ``file:line`` of this equation, else of the innermost inlined call around it
+        that has one: JAX records no user frame for the equations of a library's nested ``jit``
+        (``jax.scipy.linalg.sqrtm``'s ``schur``), but the call into the library has it."""
+        from jaxtool.source import location
+
+        return next(filter(None, map(location, (self.source_info,) + self.callers)), None)
 
 
 @dataclass
@@ -107,7 +116,7 @@ def flatten(closed_jaxpr) -> FlatProgram:
     program = FlatProgram(in_avals=tuple(v.aval for v in jaxpr.invars), eqns=[], outvars=())
     env = {v: Const(c) for v, c in zip(jaxpr.constvars, consts)}
     env.update({v: Input(i) for i, v in enumerate(jaxpr.invars)})
-    program.outvars = tuple(_walk(program, jaxpr, env, ()))
+    program.outvars = tuple(_walk(program, jaxpr, env, (), ()))
     return program
 
 
@@ -117,14 +126,14 @@ def _read(env, var):
     return env[var]
 
 
-def _walk(program: FlatProgram, jaxpr, env: dict, path: tuple) -> list:
+def _walk(program: FlatProgram, jaxpr, env: dict, path: tuple, callers: tuple) -> list:
     for index, eqn in enumerate(jaxpr.eqns):
         invars = tuple(_read(env, v) for v in eqn.invars)
         if eqn.primitive.name in INLINED:
             body, body_consts = _body(eqn)
             inner = {v: Const(c) for v, c in zip(body.constvars, body_consts)}
             inner.update(zip(body.invars, invars))
-            results = _walk(program, body, inner, path + (index,))
+            results = _walk(program, body, inner, path + (index,), (eqn.source_info,) + callers)
             for var, atom in zip(eqn.outvars, results):
                 if not isinstance(var, jcore.DropVar):
                     env[var] = atom
@@ -138,7 +147,7 @@ def _walk(program: FlatProgram, jaxpr, env: dict, path: tuple) -> list:
             if not isinstance(var, jcore.DropVar):
                 env[var] = number
         program.eqns.append(FlatEqn(eqn.primitive, dict(eqn.params), invars, tuple(outs),
-                                    eqn.source_info, path + (index,)))
+                                    eqn.source_info, path + (index,), callers))
     return [_read(env, v) for v in jaxpr.outvars]
 
 

@@ -753,10 +753,8 @@ def _forward_rule_error(eqn, invals, wrt):
 
 
 def _cannot_differentiate(eqn, error: Exception, what: str = "") -> UnsupportedError:
-    from jaxtool.source import location
-
     return UnsupportedError(f"cannot differentiate primitive '{eqn.name}'{what}: {str(error).splitlines()[0]}",
-                            primitive=eqn.name, location=location(eqn.source_info))
+                            primitive=eqn.name, location=eqn.location())
 
 
 def opaque(eqn, invals, outvals, wrt):

@@ -597,6 +597,18 @@ def test_non_differentiable_primitive_is_reported_with_location():
     assert "test_engine.py" in (info.value.location or "")
 
 
+def test_primitive_inside_a_library_jit_is_reported_at_the_users_call():
+    # JAX records no user frame for the equations of jax.scipy's nested jits: the call's line is named
+    def f(a):
+        return jax.scipy.linalg.sqrtm(a).real  # schur, which JAX cannot differentiate
+
+    line = f.__code__.co_firstlineno + 1
+    with pytest.raises(UnsupportedError) as info:
+        jaxtool.jacve(f)(2 * jnp.eye(3))
+    assert info.value.primitive == "schur"
+    assert (info.value.location or "").endswith(f"test_engine.py:{line}")
+
+
 def test_primitive_without_a_rule_for_one_input_is_reported():
     def f(x):  # JAX differentiates scatter_mul's operand, not its updates at repeated indices
         return x.at[jnp.array([0, 0, 2])].mul(x[:3])
