@@ -781,23 +781,6 @@ def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
     return replace(result, fn=fn, fn_t=fn_t), cost
 
 
-def _disjoint_selections_add(x: Linear, y: Linear, dtype) -> Linear:
-    """The sum of two selections that never select into the same output element: a selection whose
-    scale (if any) is each operand's scale where that operand selects."""
-    has_scale = x.has_scale or y.has_scale
-    result = Linear(x.out_shape, x.in_shape, dtype, has_scale=has_scale, selection=True,
-                    index=np.where(x.index >= 0, x.index, y.index))
-    if x.abstract or y.abstract:
-        return result
-    fx, fy = x.forward(), y.forward()
-    fn = lambda t: fx(t) + fy(t)  # noqa: E731
-    fn_t = None
-    if x.fn_t is not None and y.fn_t is not None:
-        fn_t = lambda c: x.fn_t(c) + y.fn_t(c)  # noqa: E731
-    scale = jnp.where(x.index >= 0, _full_scale(x, dtype), _full_scale(y, dtype)) if has_scale else None
-    return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale))
-
-
 def _full_scale(part: Linear, dtype):
     """A scaled selection's scale at every output element (ones where it has none)."""
     return cast(jnp.broadcast_to(part.scale if part.has_scale else jnp.ones((), dtype), part.out_shape), dtype)
@@ -806,8 +789,9 @@ def _full_scale(part: Linear, dtype):
 # --------------------------------------------------------------------------------------------
 # Sums of scaled selections
 
-#: A sum of at most this many scaled selections (after merging those with equal or disjoint
-#: indices) keeps them as its parts; a sum of more is applied lazily, as any sum of linear maps.
+#: A sum of scaled selections that needs at most this many (as few as its output elements have
+#: entries, see ``_fewest_selections``) keeps them as its parts; one that needs more is applied
+#: lazily, as any sum of linear maps.
 MAX_PARTS = 16
 
 
@@ -823,21 +807,20 @@ def _selections(x: Linear) -> Optional[tuple]:
 
 
 def sum_of_selections(terms, dtype) -> Optional[Linear]:
-    """The sum of scaled selections with known indices: one selection where their indices agree or
-    never select into the same output element, else a Linear with the merged terms as its parts;
-    None if more than :data:`MAX_PARTS` remain."""
+    """The sum of scaled selections with known indices: those with equal indices merged (scales
+    added), then re-cut into the fewest selections where fewer suffice (:func:`_fewest_selections`):
+    one selection, or a Linear with them as its parts; None if more than :data:`MAX_PARTS` remain."""
     merged = []
     for term in terms:
         for n, kept in enumerate(merged):
             if np.array_equal(kept.index, term.index):
                 merged[n] = _same_selection_add(kept, term, dtype)
                 break
-            if not ((kept.index >= 0) & (term.index >= 0)).any():
-                merged[n] = _disjoint_selections_add(kept, term, dtype)
-                break
         else:
             merged.append(term)
-    if len(merged) > MAX_PARTS:
+    if len(merged) > 1:
+        merged = _fewest_selections(merged, dtype)
+    if merged is None:
         return None
     if len(merged) == 1:
         return merged[0]
@@ -853,21 +836,62 @@ def sum_of_selections(terms, dtype) -> Optional[Linear]:
 
 
 def selection_from_index(out_shape, in_shape, index: np.ndarray, dtype) -> Linear:
-    """The selection ``J(t)[o] = t.flat[index[o]]`` (zero where ``index`` is -1), each input element
-    selected at most once, from its index array (of ``out_shape``)."""
+    """The selection ``J(t)[o] = t.flat[index[o]]`` (zero where ``index`` is -1) from its index
+    array (of ``out_shape``)."""
     out_shape, in_shape = tuple(out_shape), tuple(in_shape)
     flat = index.reshape(-1)
     picked = np.flatnonzero(flat >= 0)
     n_in = _size(in_shape)
+    unique = len(np.unique(flat[picked])) == len(picked)
 
     def fn(t):
         return _take_or_zero(jnp.reshape(t, (n_in,)), flat, axis=0).reshape(out_shape)
 
     def fn_t(c):
         rows = jnp.reshape(c, (-1,))[picked]
-        return jnp.zeros(n_in, c.dtype).at[flat[picked]].set(rows, unique_indices=True).reshape(in_shape)
+        into = jnp.zeros(n_in, c.dtype).at[flat[picked]]
+        return (into.set(rows, unique_indices=True) if unique else into.add(rows)).reshape(in_shape)
 
     return Linear(out_shape, in_shape, np.dtype(dtype), fn=fn, fn_t=fn_t, selection=True, index=index)
+
+
+def _fewest_selections(terms, dtype) -> Optional[list]:
+    """Scaled selections with known indices (no two equal) re-cut into the fewest whose sum is the
+    same map: the k-th entry of each output element (ordered by input element) goes to the k-th
+    selection, entries that several terms share added. That is as many as any output element has
+    entries (a band of shifts: its width, however the terms were cut, e.g. by ``jnp.roll``'s
+    slices), and the same cut for the same pattern, so later sums merge them again. ``terms``
+    themselves where they are already that few; None if more than :data:`MAX_PARTS` are needed."""
+    out_shape, in_shape = terms[0].out_shape, terms[0].in_shape
+    n_out, n_in = _size(out_shape), _size(in_shape)
+    index = np.stack([t.index.reshape(-1) for t in terms])
+    term, row = np.nonzero(index >= 0)
+    entries, slot = np.unique(row * n_in + index[term, row], return_inverse=True)  # by row, then input
+    entry_rows = entries // n_in
+    rank = np.arange(len(entries)) - np.searchsorted(entry_rows, entry_rows)
+    count = int(rank.max(initial=0)) + 1
+    if count > MAX_PARTS:
+        return None
+    if count >= len(terms):
+        return list(terms)
+    cut = np.full((count, n_out), -1)
+    cut[rank, entry_rows] = entries % n_in
+    parts = [selection_from_index(out_shape, in_shape, cut[k].reshape(out_shape), dtype) for k in range(count)]
+    if not any(t.has_scale for t in terms) and len(entries) == len(term):
+        return [p.plan() for p in parts] if any(t.abstract for t in terms) else parts
+    if any(t.abstract for t in terms):
+        return [replace(p.plan(), has_scale=True) for p in parts]
+    # each entry's scale into its place (rank, row) of the stacked scales of the new selections
+    place = rank[slot.reshape(-1)] * n_out + row
+    scales = jnp.stack([_full_scale(t, dtype).reshape(-1) for t in terms])[term, row]
+    if len(entries) == len(term):  # every place filled once: a gather
+        source = np.full(count * n_out, -1)
+        source[place] = np.arange(len(term))
+        stacked = _take_or_zero(scales, source, axis=0)
+    else:
+        stacked = jnp.zeros(count * n_out, dtype).at[place].add(scales)
+    stacked = stacked.reshape((count,) + tuple(out_shape))
+    return [replace(p, has_scale=True, scale=stacked[k]) for k, p in enumerate(parts)]
 
 
 def _same_selection_add(x: Linear, y: Linear, dtype) -> Linear:

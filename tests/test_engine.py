@@ -454,6 +454,17 @@ def test_diagonal_times_slice_is_a_scaled_slice():
 
 
 #: sums of shifted or permuted selections: stencils, symmetrisation, rolls (kept as a few scaled selections)
+def _lorenz96_rk4(x, h=0.01):
+    """One RK4 step of the Lorenz-96 system: its rolls by -1, 1 and 2 (each two slices) compose into
+    a band of 13 shifts, however the elimination order cuts and adds them."""
+    f = lambda y: (jnp.roll(y, -1) - jnp.roll(y, 2)) * jnp.roll(y, 1) - y + 8.0  # noqa: E731
+    k1 = f(x)
+    k2 = f(x + h / 2 * k1)
+    k3 = f(x + h / 2 * k2)
+    k4 = f(x + h * k3)
+    return x + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+
+
 SELECTION_SUMS = {
     "laplacian": lambda x: jnp.tanh(jnp.sin(x)[:-2] - 2 * jnp.sin(x)[1:-1] + jnp.sin(x)[2:]) + x[1:-1] ** 2,
     "diff of diff": lambda x: jnp.diff(jnp.diff(jnp.exp(x)) * 3),
@@ -464,6 +475,7 @@ SELECTION_SUMS = {
     "stencil then matmul": lambda x: (x[1:7] - x[:6]).reshape(2, 3) @ jnp.cos(x[:9]).reshape(3, 3),
     "wider than MAX_PARTS": lambda x: sum(x[k:k + 5] * (k + 1.0) for k in range(20)),  # 20 overlapping shifts
     "diagonal plus selections": lambda x: jnp.exp(x) + jnp.sin(x)[::-1] + jnp.concatenate([x[1:], x[:1]]) * 2,
+    "rk4 step of lorenz-96": _lorenz96_rk4,
 }
 
 
@@ -478,14 +490,16 @@ def test_sums_of_selections_and_known_indices_match_jacrev(name):
 
 
 def test_sums_of_selections_stay_sparse():
-    # a three-point stencil on 100,000 elements, x + x.T of a 300 x 300 matrix and a five-point stencil
-    # on a 300 x 300 grid: a few values per output element in every order, where a dense block would
-    # hold 1e10, 8.1e9 and 8.1e9 values
+    # a three-point stencil on 100,000 elements, x + x.T of a 300 x 300 matrix, a five-point stencil
+    # on a 300 x 300 grid and an RK4 step of Lorenz-96 (a band of 13, which the reverse order once cut
+    # along jnp.roll's slices into more than MAX_PARTS selections, and densified): a few values per
+    # output element in every order, where a dense block would hold 1e10, 8.1e9, 8.1e9 and 1e6 values
     n = 100_000
     bratu_2d, _ = load_sample("bratu_2d")  # the five-point stencil the README cites, on a 300 x 300 grid
     cases = [(SELECTION_SUMS["laplacian"], jnp.linspace(0.0, 1.0, n), 3),
              (lambda a: jnp.tanh(0.5 * (a + a.T)), jnp.ones((300, 300)), 2),
-             (bratu_2d, jnp.ones((300, 300)), 5)]
+             (bratu_2d, jnp.ones((300, 300)), 5),
+             (_lorenz96_rk4, jnp.linspace(0.0, 1.0, 1000), 13)]
     for fun, x, width in cases:
         for order in ("fwd", "rev", "markowitz"):
             problem = trace_problem(fun, x)
