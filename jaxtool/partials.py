@@ -291,18 +291,24 @@ class Linear(Partial):
             c = c * self.scale
         return self.backward()(cast(c, self.dtype))
 
+    def _pattern_dense(self):
+        """The dense block of a selection with a known index, as its 0/1 pattern times its scale."""
+        one_hot = (self.index.reshape(-1, 1) == np.arange(_size(self.in_shape))).reshape(self.shape)
+        if not self.has_scale:
+            return jnp.asarray(one_hot, self.dtype)
+        # the scale on the selected entries only (see unpair)
+        scale = reshaped(self.scale, np.shape(self.scale) + (1,) * len(self.in_shape))
+        return cast(jnp.where(one_hot, scale, jnp.zeros((), self.dtype)), self.dtype)
+
     def to_dense(self):
         """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""
         n_in, n_out = _size(self.in_shape), _size(self.out_shape)
-        if self.parts or (self.index is not None and n_out * n_in > SMALL_DENSE):
-            return _parts_to_dense(self.parts or (self,), self.shape, self.dtype)
-        if self.index is not None:  # small: a 0/1 pattern known while tracing, scaled
-            one_hot = self.index.reshape(n_out, 1) == np.arange(n_in)
-            one_hot = one_hot.reshape(self.shape)
-            if self.has_scale:  # the scale on the selected entries only (see unpair)
-                scale = reshaped(self.scale, np.shape(self.scale) + (1,) * len(self.in_shape))
-                return cast(jnp.where(one_hot, scale, jnp.zeros((), self.dtype)), self.dtype)
-            return jnp.asarray(one_hot, self.dtype)
+        if self.parts or self.index is not None:
+            parts = self.parts or (self,)
+            if n_out * n_in > SMALL_DENSE:
+                return _parts_to_dense(parts, self.shape, self.dtype)
+            # small: 0/1 patterns known while tracing, scaled and added (fused by XLA; no scatter)
+            return functools.reduce(lax.add, [cast(p._pattern_dense(), self.dtype) for p in parts])
         use_forward = n_in <= n_out if (self.fn is not None and self.fn_t is not None) else self.fn is not None
         if use_forward:
             basis = jnp.eye(n_in, dtype=self.dtype).reshape((n_in,) + self.in_shape)
