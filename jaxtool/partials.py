@@ -204,7 +204,7 @@ class Sparse(Partial):
                 eye_shape = [1] * len(val_shape)
                 eye_shape[k] = n
                 eye_shape[nout + new_unpaired.index(self.pairs[k])] = n
-                expanded = jnp.where(np.eye(n, dtype=bool).reshape(eye_shape), expanded, jnp.zeros((), self.dtype))
+                expanded = _zero_unless(np.eye(n, dtype=bool).reshape(eye_shape), expanded)
             val = jnp.broadcast_to(expanded, tuple(val_shape))
         return Sparse(self.out_shape, self.in_shape, tuple(pairs), tuple(val_shape), self.dtype, val)
 
@@ -298,7 +298,7 @@ class Linear(Partial):
             return jnp.asarray(one_hot, self.dtype)
         # the scale on the selected entries only (see unpair)
         scale = reshaped(self.scale, np.shape(self.scale) + (1,) * len(self.in_shape))
-        return cast(jnp.where(one_hot, scale, jnp.zeros((), self.dtype)), self.dtype)
+        return cast(_zero_unless(one_hot, cast(scale, self.dtype)), self.dtype)
 
     def to_dense(self):
         """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""
@@ -370,13 +370,11 @@ def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
     result = plan.result
     if result.unit or a.abstract or b.abstract:
         return result, plan.cost
-    # the stored axes a product uses, without the size-1 axes it does not
-    operands = [(part.val, tuple(part.val.shape[n] for n in keep))
-                for part, keep in ((b, plan.b_keep), (a, plan.a_keep)) if keep is not None]
-    val = _contract(operands, plan.specs, plan.out_spec, plan.loop, result.dtype)
+    operands = [(part.val, keep) for part, keep in ((b, plan.b_keep), (a, plan.a_keep)) if keep is not None]
+    val = _contract(operands, plan.specs, plan.out_layout, plan.loop, result.dtype)
     if plan.factor != 1:
-        val = val * jnp.asarray(plan.factor, result.dtype)
-    return replace(result, val=reshaped(cast(val, result.dtype), result.val_shape)), plan.cost
+        val = lax.mul(val, np.asarray(plan.factor, result.dtype))
+    return replace(result, val=val), plan.cost
 
 
 @dataclass(frozen=True)
@@ -388,8 +386,8 @@ class _ProductPlan:
     factor: int  # contracted size over which neither operand stores values
     b_keep: Optional[tuple]  # stored axes of b's values taken into the contraction (None: b is unit)
     a_keep: Optional[tuple]
-    specs: tuple  # einsum-style letters of the operands (b first), then of the result
-    out_spec: str
+    specs: tuple  # einsum-style letters of the operands' kept axes (b first)
+    out_layout: tuple  # per axis of the result's values: its letter, or None (an axis of size 1)
     loop: int  # scalar multiplications of the contraction
 
 
@@ -457,9 +455,9 @@ def _product_plan(b_key: tuple, a_key: tuple) -> _ProductPlan:
         keep = tuple(n for n, c in enumerate(axes) if c in present_axes)
         keeps.append(keep)
         specs.append("".join(letters[axes[n]] for n in keep))
-    out_spec = "".join(letters[c] for c in c_axes if c in present)
+    out_layout = tuple(letters[c] if c in present else None for c in c_axes)
     result = Sparse(b.out_shape, a.in_shape, tuple(pairs), val_shape, dtype, None, a.unit and b.unit and factor == 1)
-    return _ProductPlan(result, Cost(mults, adds), factor, keeps[0], keeps[1], tuple(specs), out_spec, loop)
+    return _ProductPlan(result, Cost(mults, adds), factor, keeps[0], keeps[1], tuple(specs), out_layout, loop)
 
 
 #: Products with at most this many scalar multiplications, and products that sum no axis the two factors
@@ -468,38 +466,65 @@ def _product_plan(b_key: tuple, a_key: tuple) -> _ProductPlan:
 SMALL_CONTRACTION = 64
 
 
-def _contract(operands, specs, out_spec, loop, dtype):
-    """``einsum(specs -> out_spec)`` of zero, one or two operands, fusible when small.
+def _contract(operands, specs, out_layout, loop, dtype):
+    """``einsum(specs -> out)`` of zero, one or two stored value arrays, fusible when small.
 
-    ``operands`` are ``(array, shape)`` pairs: the array is read at ``shape`` (its own shape without
-    size-1 axes that its spec leaves out). Every letter of ``out_spec`` occurs in some operand.
-    Written with ``lax`` directly: tracing ``jnp.einsum`` (or ``jnp`` broadcasting arithmetic) costs
-    far more, and a Jacobian may take thousands of these products.
+    ``operands`` are ``(array, keep)`` pairs: the array's axes at the positions ``keep`` carry the
+    letters of its spec, its other axes have size 1. The result's axes are ``out_layout``'s: a letter
+    (every one occurs in some operand), or None for an axis of size 1. Written with ``lax`` directly,
+    each operand broadcast from its stored shape in one step where its letters are in result order:
+    tracing ``jnp.einsum`` (or ``jnp`` broadcasting arithmetic) costs far more, and a Jacobian may
+    take thousands of these products.
     """
+    sizes = {l: v.shape[n] for (v, keep), spec in zip(operands, specs) for n, l in zip(keep, spec)}
+    out_shape = tuple(1 if l is None else sizes[l] for l in out_layout)
     if not operands:
-        return jnp.ones((), dtype)
-    operands = [(cast(v, dtype), shape) for v, shape in operands]
+        return lax.full(out_shape, 1, dtype)
+    operands = [(cast(v, dtype), keep) for v, keep in operands]
+    out_spec = "".join(l for l in out_layout if l is not None)
     contracted = (set(specs[0]) & set(specs[1])) - set(out_spec) if len(operands) == 2 else ()
     if contracted and loop > SMALL_CONTRACTION:
-        return _dot([reshaped(v, shape) for v, shape in operands], specs, out_spec, dtype)
-    summed = "".join(dict.fromkeys(l for spec in specs for l in spec if l not in out_spec))
-    order = out_spec + summed
-    full = functools.reduce(_broadcast_shape, [tuple(dict(zip(spec, shape)).get(l, 1) for l in order)
-                                               for (_, shape), spec in zip(operands, specs)])
+        kept = [reshaped(v, tuple(v.shape[n] for n in keep)) for v, keep in operands]
+        return reshaped(_dot(kept, specs, out_spec, dtype), out_shape)
+    summed = tuple(dict.fromkeys(l for spec in specs for l in spec if l not in out_spec))
+    layout = tuple(out_layout) + summed
+    full = out_shape + tuple(sizes[l] for l in summed)
     product = None
-    for (v, shape), spec in zip(operands, specs):
-        perm = sorted(range(len(spec)), key=lambda n: order.index(spec[n]))
-        v = reshaped(v, shape)
-        if perm != list(range(len(spec))):
-            v = lax.transpose(v, perm)
-        if len(operands) == 1:
-            v = reshaped(v, full)
-        elif tuple(v.shape) != full:  # add the missing axes and broadcast in one step
-            v = lax.broadcast_in_dim(v, full, tuple(order.index(spec[n]) for n in perm))
+    for (v, keep), spec in zip(operands, specs):
+        v = _laid_out(v, keep, spec, layout, full)
         product = v if product is None else lax.mul(product, v)
     if summed:
-        product = lax.reduce_sum(product, tuple(range(len(out_spec), len(order))))
+        product = lax.reduce_sum(product, tuple(range(len(out_layout), len(layout))))
     return product
+
+
+def _laid_out(v, keep, spec, layout, full):
+    """Stored values ``v`` (letters ``spec`` on its axes ``keep``, size 1 on the others) broadcast to
+    ``full``, the shape whose axes carry the letters (or None) of ``layout``.
+
+    One ``broadcast_in_dim`` from the stored shape where the letters come in ``layout``'s order and
+    the size-1 axes fit between them; else the kept axes are taken out, transposed and broadcast.
+    """
+    target = [layout.index(l) for l in spec]
+    dims, last = [], -1
+    for n in range(v.ndim):
+        bound = len(layout) if n not in keep else target[keep.index(n)]
+        if n in keep and bound > last:
+            last = bound
+        elif n not in keep and last + 1 < min([len(layout)] + [t for m, t in zip(keep, target) if m > n]):
+            last += 1
+        else:
+            break
+        dims.append(last)
+    else:
+        if tuple(v.shape) == tuple(full) and dims == list(range(len(full))):
+            return v
+        return lax.broadcast_in_dim(v, full, tuple(dims))
+    v = reshaped(v, tuple(v.shape[n] for n in keep))
+    perm = sorted(range(len(spec)), key=lambda n: target[n])
+    if perm != list(range(len(spec))):
+        v = lax.transpose(v, perm)
+    return lax.broadcast_in_dim(v, full, tuple(sorted(target)))
 
 
 def _broadcast_shape(s: tuple, t: tuple) -> tuple:
@@ -588,7 +613,7 @@ def _zero_where_unselected(x: Linear) -> Linear:
             return x
     else:
         selected = x.forward()(jnp.ones(x.in_shape, x.dtype)) != 0
-    return replace(x, scale=jnp.where(selected, x.scale, jnp.zeros((), x.dtype)))
+    return replace(x, scale=_zero_unless(selected, x.scale))
 
 
 def _transposer(pairs):
@@ -660,13 +685,48 @@ def _scatter_columns(rows, index: np.ndarray, n: int):
 
 def _take_or_zero(x, index: np.ndarray, axis: int):
     """``x`` taken at ``index`` along ``axis``, zero where ``index`` is -1."""
+    shape = x.shape[:axis] + index.shape + x.shape[axis + 1:]
     if not (index >= 0).any():
-        return jnp.zeros(x.shape[:axis] + index.shape + x.shape[axis + 1:], x.dtype)
-    taken = jnp.take(x, np.maximum(index, 0), axis=axis)
+        return lax.full(shape, 0, x.dtype)
+    taken = _take(x, np.maximum(index, 0), axis)
     if (index >= 0).all():
         return taken
-    mask = (index >= 0).reshape((-1,) + (1,) * (x.ndim - 1 - axis))
-    return jnp.where(mask, taken, jnp.zeros((), x.dtype))
+    return _zero_unless((index >= 0).reshape(index.shape + (1,) * (x.ndim - 1 - axis)), taken)
+
+
+def _take(x, index: np.ndarray, axis: int):
+    """``jnp.take(x, index, axis)`` for a NumPy ``index`` within range, by ``lax``: a strided slice
+    where the index is an increasing even run, else one ``gather`` (``jnp.take`` traces a nested jit
+    and wraps negative indices, several equations a Jacobian may need hundreds of times)."""
+    flat = index.reshape(-1)
+    shape = x.shape[:axis] + index.shape + x.shape[axis + 1:]
+    step = int(flat[1] - flat[0]) if len(flat) > 1 else 1
+    if len(flat) and step > 0 and np.array_equal(flat, flat[0] + step * np.arange(len(flat))):
+        if len(flat) == x.shape[axis] and index.ndim == 1:
+            return x
+        run = lax.slice_in_dim(x, int(flat[0]), int(flat[-1]) + 1, step, axis)
+        return reshaped(run, shape)
+    offset_dims = tuple(range(axis)) + tuple(range(axis + index.ndim, len(shape)))
+    dims = lax.GatherDimensionNumbers(offset_dims=offset_dims, collapsed_slice_dims=(axis,), start_index_map=(axis,))
+    return lax.gather(x, index.astype(np.int32)[..., None], dims, x.shape[:axis] + (1,) + x.shape[axis + 1:],
+                      mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def _broadcast_to(v, shape):
+    """``v`` broadcast NumPy-style (trailing axes aligned) to ``shape`` by ``lax`` (``v`` itself when it has it)."""
+    shape = tuple(shape)
+    if np.shape(v) == shape:
+        return v
+    return lax.broadcast_in_dim(v, shape, tuple(range(len(shape) - np.ndim(v), len(shape))))
+
+
+def _zero_unless(mask, x):
+    """``x`` where ``mask`` holds, zero elsewhere, both broadcast NumPy-style to their common shape: a
+    select, so an infinite or NaN ``x`` off the mask stays out (``jnp.where`` would trace a nested jit)."""
+    x = jnp.asarray(x)
+    shape = np.broadcast_shapes(np.shape(mask), x.shape)
+    x = _broadcast_to(x, shape)
+    return lax.select(_broadcast_to(mask, shape), x, lax.full(shape, 0, x.dtype))
 
 
 def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
