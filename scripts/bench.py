@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -96,6 +98,13 @@ Every jacve Jacobian is checked against `jax.jacrev`'s (last column of the opera
   output overhead and the ratio cannot show a faster computation. The *floor bound* column is the
   floor over the faster of `jax.jacfwd` and `jax.jacrev`: the ratio a Jacobian that cost nothing
   beyond its call floor would get, the lowest any engine returning `jax.jacrev`'s pytree can reach.
+  The point timings run in a child process pinned to one CPU from its start (`os.sched_setaffinity`
+  before JAX starts; `--no-pin` times them in the benchmark's own process instead). Unpinned, XLA's CPU
+  client hands each call to a worker thread and the caller waits for it; on a small VM that hand-off
+  costs more than these Jacobians' arithmetic and switches between two levels during a run (measured
+  on a 2-CPU VM, `jax.jacrev` of roe_flux_1d: 45-50 us per call for the first ~40 ms of calls of a
+  newly compiled function, then 102-108 us; 30.7 us throughout when pinned), so unpinned medians
+  compared competitors by when they were timed, not by what they compute.
 - *Batched*: the same for `jax.jit(jax.vmap(jacobian))` over B points (every differentiated argument
   batched; the points are the example point times `1 + 0.01 * N(0, 1)` noise, seed 0), with Cb
   calls per round, or fewer (at least one) for a competitor whose Cb calls would take over 0.25 s.
@@ -292,10 +301,13 @@ def bench_program(name: str, fn, args, opts) -> Result:
         result.deviation[order] = deviation(outputs[f"jacve {order}"], outputs["jax.jacrev"])
     result.ops = op_counts(fn, args, argnums)
 
-    note(f"{name}: run time ({opts.rounds} rounds x {opts.calls} calls)")
-    fns = {c: jax.jit(m()) for c, m in makers.items()}
-    fns[FLOOR] = call_floor(outputs["jax.jacrev"], argnums)
-    result.run = time_round_robin(fns, args, opts.rounds, opts.calls)
+    cpu = getattr(opts, "pin_cpu", None)
+    note(f"{name}: run time ({opts.rounds} rounds x {opts.calls} calls"
+         + (f", in a child process pinned to CPU {cpu})" if cpu is not None else ")"))
+    if cpu is None:
+        result.run = time_point(fn, args, argnums, outputs["jax.jacrev"], opts.rounds, opts.calls)
+    else:
+        result.run = time_point_pinned(name, cpu, opts)
     result.floor = result.run.pop(FLOOR)
 
     note(f"{name}: batched run time (batch {opts.batch}, {opts.rounds} rounds x {opts.batch_calls} calls at most)")
@@ -305,6 +317,47 @@ def bench_program(name: str, fn, args, opts) -> Result:
     result.batched = time_round_robin(batched, batch, opts.rounds, opts.batch_calls, BATCH_ROUND_SECONDS)
     note(f"{name}: done in {time.monotonic() - started:.0f} s")
     return result
+
+
+def time_point(fn, args, argnums, reference, rounds: int, calls: int) -> dict:
+    """Median seconds per call at ``args`` of each competitor and of the call floor (``reference``
+    is ``jax.jacrev``'s Jacobian, whose pytree the floor returns)."""
+    import jax
+
+    fns = {c: jax.jit(jacobian_maker(fn, argnums, c)()) for c in COMPETITORS}
+    fns[FLOOR] = call_floor(reference, argnums)
+    return time_round_robin(fns, args, rounds, calls)
+
+
+def point_worker(name: str, rounds: int, calls: int) -> None:
+    """``--point-worker``: print, as one JSON line, :func:`time_point` of the sample program ``name``."""
+    import jax
+
+    fn, args = load_program(name)
+    argnums = float_argnums(args)
+    reference = jax.jit(jax.jacrev(fn, argnums=argnums))(*args)
+    print(json.dumps(time_point(fn, args, argnums, reference, rounds, calls)))
+
+
+def time_point_pinned(name: str, cpu: int, opts) -> dict:
+    """:func:`time_point` of the sample program ``name``, measured in a child process that runs on
+    CPU ``cpu`` only, from before it imports JAX (see METHOD: XLA's CPU client then runs a call on
+    the calling thread, with no hand-off to a worker thread to wait for)."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--point-worker", name, "--worker-cpu", str(cpu),
+               "--rounds", str(opts.rounds), "--calls", str(opts.calls)]
+    child = subprocess.run(command, capture_output=True, text=True, check=False)
+    if child.returncode != 0:
+        raise RuntimeError(f"point timing of {name} failed:\n{child.stderr[-2000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def pinnable_cpu():
+    """The CPU that point timings are pinned to (the highest this process may run on), or None
+    where affinity cannot be set or only one CPU is available (then nothing needs pinning)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = os.sched_getaffinity(0)
+    return max(cpus) if len(cpus) > 1 else None
 
 
 def bench_structured(name: str, fn, args, opts) -> Result:
@@ -448,6 +501,7 @@ def report(results, opts, machine: list, load_before, load_after, elapsed: float
     lines = [METHOD, "## Machine", "", *machine,
              f"- load average (1, 5, 15 min) before: {_load(load_before)}; after: {_load(load_after)}",
              f"- settings: {setup}; the whole run took {elapsed:.0f} s",
+             "- run time at the example point: " + _pinning(getattr(opts, "pin_cpu", None)),
              f"- programs: {names}",
              f"- differentiated arguments: {argnums}", ""]
     if results:
@@ -463,6 +517,12 @@ def report(results, opts, machine: list, load_before, load_after, elapsed: float
         lines += ["## Structured Jacobians at the example point (milliseconds per call, median)", "",
                   *structured_table(structured), ""]
     return "\n".join(lines)
+
+
+def _pinning(cpu) -> str:
+    if cpu is None:
+        return "timed in the benchmark's process, not pinned"
+    return f"timed in a child process pinned to CPU {cpu} (of {os.cpu_count()})"
 
 
 def _load(load) -> str:
@@ -492,6 +552,12 @@ def parse_args(argv):
     parser.add_argument("--first-calls", type=int,
                         help=f"repetitions of the first-call measurement (default {FULL['first_calls']})")
     parser.add_argument("--output", type=Path, help="also write the markdown report to this file")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="time the example points in this process, on every CPU it may use, instead of "
+                             "in a child process pinned to one CPU")
+    # the pinned child's job (see time_point_pinned)
+    parser.add_argument("--point-worker", metavar="NAME", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-cpu", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true",
                         help="tiny counts (" + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items())
                              + "): checks that everything runs, timings mean nothing")
@@ -510,11 +576,16 @@ def parse_args(argv):
             parser.error(f"{what}; choose from {', '.join(PROGRAMS + STRUCTURED)}")
     else:
         opts.programs = list(PROGRAMS + STRUCTURED)
+    opts.pin_cpu = None if opts.no_pin else pinnable_cpu()
     return opts
 
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    if opts.point_worker:
+        os.sched_setaffinity(0, {opts.worker_cpu})  # before JAX starts its threads, which inherit it
+        point_worker(opts.point_worker, opts.rounds, opts.calls)
+        return 0
     started = time.monotonic()
     load_before = _loadavg()
     machine = machine_description()

@@ -186,3 +186,14 @@ def test_structured_programs_are_timed_and_checked(bench):
     assert float(row[-1]) <= bench.TOLERANCE and mean[0] == "**geo. mean**"
     for name in bench.STRUCTURED:
         assert (Path(bench.SAMPLES_DIR) / f"{name}.py").is_file()
+
+
+def test_point_timing_in_a_pinned_child(bench):
+    cpu = bench.pinnable_cpu()
+    if cpu is None:
+        pytest.skip("this process may run on one CPU only (or cannot set affinity): nothing to pin")
+    opts = argparse.Namespace(**bench.QUICK, quick=True)
+    times = bench.time_point_pinned("roe_flux_1d", cpu, opts)
+    assert set(times) == set(bench.COMPETITORS) | {bench.FLOOR}
+    assert all(0 < t < 60 for t in times.values())
+    assert bench.parse_args([]).pin_cpu == cpu and bench.parse_args(["--no-pin"]).pin_cpu is None
