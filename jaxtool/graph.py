@@ -25,6 +25,8 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 from jax.extend.core import primitives as P
 
+from jaxtool import partials
+
 #: Call-like primitives whose body is inlined into the graph. ``remat2`` is ``jax.checkpoint``.
 INLINED = frozenset(p.name for p in (P.jit_p, P.closed_call_p, P.call_p, P.remat_p))
 
@@ -178,7 +180,9 @@ def evaluate(program: FlatProgram, args) -> dict:
     for eqn in program.eqns:
         invals = [read(a, args, values) for a in eqn.invars]
         outs = _in_numpy(program, eqn, invals, known)
-        if outs is None:
+        if outs is None and eqn.name in PRIMAL_RULES:
+            outs = (PRIMAL_RULES[eqn.name](*invals, **eqn.params),)
+        elif outs is None:
             outs = bind(eqn, *invals)
             if not eqn.primitive.multiple_results:
                 outs = (outs,)
@@ -228,6 +232,11 @@ def _np_broadcast_in_dim(x, *, shape, broadcast_dimensions, **_):
 
 
 #: NumPy forms of integer and boolean primitives, for values computed from constants (see :func:`evaluate`)
+#: primitives that :func:`evaluate` computes otherwise than by ``bind`` (name -> function of the
+#: input values and the equation's params, returning its one result): a small matrix product is
+#: a fused multiply-and-sum, cheaper on XLA:CPU than a library call (see ``partials.SMALL_CONTRACTION``)
+PRIMAL_RULES = {"dot_general": partials.dot_general}
+
 NUMPY_RULES = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
     "neg": np.negative, "abs": np.abs, "sign": np.sign, "rem": np.fmod,

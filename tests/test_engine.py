@@ -651,3 +651,31 @@ def test_zero_size_values_broadcast_against_size_one_values():
     for order in ("fwd", "rev", "markowitz", sorted(problem.eliminable, key=lambda v: (v % 3, v))):
         assert_same_jacobian(jaxtool.jacve(f, order=order, argnums=(0, 1))(*args),
                              jax.jacrev(f, argnums=(0, 1))(*args), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dimension_numbers", [
+    ((4, 4), (4, 4), (((1,), (0,)), ((), ()))),  # a small matrix product: fused multiply-and-sum
+    ((3, 2, 5), (3, 5, 4), (((2,), (1,)), ((0,), (0,)))),  # batched
+    ((2, 3, 4), (4, 3, 2), (((1, 2), (1, 0)), ((), ()))),  # two contracted axes, out of order
+    ((6, 2, 3), (2, 6, 3), (((2,), (2,)), ((0, 1), (1, 0)))),
+    ((2, 3), (4,), (((), ()), ((), ()))),  # an outer product
+    ((0, 3), (3, 2), (((1,), (0,)), ((), ()))),
+    ((32, 32), (32, 32), (((1,), (0,)), ((), ()))),  # over SMALL_CONTRACTION: lax.dot_general itself
+])
+def test_primal_dot_general_matches_lax(lhs_shape, rhs_shape, dimension_numbers):
+    rng = np.random.default_rng(0)
+    lhs = jnp.asarray(rng.standard_normal(lhs_shape), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal(rhs_shape), jnp.float32)
+    expected = lax.dot_general(lhs, rhs, dimension_numbers)
+    fused = jax.make_jaxpr(lambda a, b: partials.dot_general(a, b, dimension_numbers))(lhs, rhs)
+    loop = int(np.prod(expected.shape)) * int(np.prod([lhs_shape[a] for a in dimension_numbers[0][0]]))
+    assert any(e.primitive is lax.dot_general_p for e in fused.eqns) == (loop > partials.SMALL_CONTRACTION)
+    for got in (partials.dot_general(lhs, rhs, dimension_numbers),
+                jax.jit(lambda a, b: partials.dot_general(a, b, dimension_numbers))(lhs, rhs)):
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    ints = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+    assert partials.dot_general(ints, ints.T, (((1,), (0,)), ((), ()))).dtype == jnp.int32
+    bf16 = jnp.ones((4, 4), jnp.bfloat16)
+    assert partials.dot_general(bf16, bf16, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32).dtype \
+        == jnp.float32
