@@ -1124,11 +1124,12 @@ def reference(case: Case):
     """``jax.jacrev`` of the case, or None if it fails or is not finite (the case is then regenerated)."""
     import jax
 
-    try:
+    try:  # XLA reports some failures only when the result is read: read it here
         ref = jax.jit(jax.jacrev(case.fun, argnums=case.argnums, has_aux=case.has_aux))(*case.inputs)
+        finite = _finite(ref)
     except Exception:  # noqa: BLE001 - any failure of the reference means "not a valid program"
         return None
-    return ref if _finite(ref) else None
+    return ref if finite else None
 
 
 def eliminable(case: Case) -> tuple:
@@ -1252,7 +1253,7 @@ def check_case(case: Case, n_random: int = 2):
     jacobians = _jacobians(case, orders)
     jacrev = jax.jacrev(case.fun, argnums=case.argnums, has_aux=case.has_aux)
     try:
-        ref, gots = jax.jit(lambda *a: (jacrev(*a), [j(*a) for j in jacobians]))(*case.inputs)
+        ref, gots = jax.block_until_ready(jax.jit(lambda *a: (jacrev(*a), [j(*a) for j in jacobians]))(*case.inputs))
     except Exception:  # noqa: BLE001 - find out which part failed
         ref = reference(case)
         if ref is None:
