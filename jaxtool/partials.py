@@ -470,16 +470,17 @@ SMALL_CONTRACTION = 256
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
-    """``lax.dot_general`` of floating-point arrays, as a fused multiply-and-sum where it takes at most
-    :data:`SMALL_CONTRACTION` scalar multiplications (the primal of a small matrix product)."""
+    """``lax.dot_general``, as a fused multiply-and-sum where it takes at most :data:`SMALL_CONTRACTION`
+    scalar multiplications of float32 or float64 values (the primal of a small matrix product)."""
     (lc, rc), (lb, rb) = dimension_numbers
     dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     lhs_free = [a for a in range(lhs.ndim) if a not in lc and a not in lb]
     rhs_free = [a for a in range(rhs.ndim) if a not in rc and a not in rb]
     out_shape = [lhs.shape[a] for a in lb] + [lhs.shape[a] for a in lhs_free] + [rhs.shape[a] for a in rhs_free]
     loop = _size(out_shape) * _size([lhs.shape[a] for a in lc])
-    floating = all(jnp.issubdtype(x.dtype, jnp.floating) for x in (lhs, rhs)) and jnp.issubdtype(dtype, jnp.floating)
-    if loop > SMALL_CONTRACTION or not floating or out_sharding is not None:
+    # float32 and float64 only: a library dot of narrower floats accumulates in float32, a sum would not
+    wide_floats = all(np.dtype(t) in (np.float32, np.float64) for t in (lhs.dtype, rhs.dtype, dtype))
+    if loop > SMALL_CONTRACTION or not wide_floats or out_sharding is not None:
         return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, out_sharding=out_sharding)
     letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")

@@ -676,6 +676,8 @@ def test_primal_dot_general_matches_lax(lhs_shape, rhs_shape, dimension_numbers)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     ints = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
     assert partials.dot_general(ints, ints.T, (((1,), (0,)), ((), ()))).dtype == jnp.int32
-    bf16 = jnp.ones((4, 4), jnp.bfloat16)
-    assert partials.dot_general(bf16, bf16, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32).dtype \
-        == jnp.float32
+    bf16 = jnp.ones((4, 4), jnp.bfloat16)  # narrow floats: the library dot, which accumulates in float32
+    for preferred in (None, jnp.float32):
+        narrow = jax.make_jaxpr(lambda a: partials.dot_general(a, a, (((1,), (0,)), ((), ())),
+                                                               preferred_element_type=preferred))(bf16)
+        assert [e.primitive for e in narrow.eqns] == [lax.dot_general_p]
