@@ -50,6 +50,15 @@ JAX_COMPETITORS = ("jax.jacfwd", "jax.jacrev")
 COMPETITORS = JAX_COMPETITORS + tuple(f"jacve {o}" for o in ORDERS)
 FLOOR = "call floor"
 
+#: XLA:CPU runs a program on the calling thread when its cost analysis counts fewer flops than this
+#: (``cheap_computation_`` in XLA's PjRt CPU client); any other call is handed to a worker thread
+INLINE_FLOPS = 1000
+
+#: two trivial programs just below and just above INLINE_FLOPS (x + 1 on a vector of that many
+#: float32), timed alongside the point Jacobians: their difference is the cost of the hand-off
+PROBE_INLINE, PROBE_HANDED_OFF = "probe: run inline", "probe: handed off"
+PROBES = {PROBE_INLINE: INLINE_FLOPS - 1, PROBE_HANDED_OFF: INLINE_FLOPS + 1}
+
 #: graphax's multiplication counts (fwd, rev, degree-based minimal Markowitz), from the team's
 #: reference file shared/reference/anchors.md, table "Multiplications (and additions) of Jacobian
 #: accumulation" (graphax commit 5b13282, ``count_ops``, jax 0.10.2, all inputs differentiated).
@@ -97,14 +106,21 @@ Every jacve Jacobian is checked against `jax.jacrev`'s (last column of the opera
   costs without arithmetic. Where a Jacobian's time is close to its floor, the call is dispatch and
   output overhead and the ratio cannot show a faster computation. The *floor bound* column is the
   floor over the faster of `jax.jacfwd` and `jax.jacrev`: the ratio a Jacobian that cost nothing
-  beyond its call floor would get, the lowest any engine returning `jax.jacrev`'s pytree can reach.
-  The point timings run in a child process pinned to one CPU from its start (`os.sched_setaffinity`
-  before JAX starts; `--no-pin` times them in the benchmark's own process instead). Unpinned, XLA's CPU
-  client hands each call to a worker thread and the caller waits for it; on a small VM that hand-off
-  costs more than these Jacobians' arithmetic and switches between two levels during a run (measured
-  on a 2-CPU VM, `jax.jacrev` of roe_flux_1d: 45-50 us per call for the first ~40 ms of calls of a
-  newly compiled function, then 102-108 us; 30.7 us throughout when pinned), so unpinned medians
-  compared competitors by when they were timed, not by what they compute.
+  beyond its call floor would get, the lowest any engine returning `jax.jacrev`'s pytree can reach
+  (the floor runs on the calling thread, see below). The point timings run in a child process pinned to one CPU from its start (`os.sched_setaffinity`
+  before JAX starts; `--no-pin` times them in the benchmark's own process instead), because XLA:CPU
+  runs a call in one of two ways and the second costs more, and unsteadily, when not pinned:
+  - a program whose XLA cost analysis counts fewer than 1000 flops (XLA's PjRt CPU client calls it
+    cheap) runs on the calling thread; its times are marked with a dagger;
+  - any other call is handed to a worker thread and the caller waits for it. The *hand-off* column
+    is that wait, timed alongside: a jitted `x + 1` on 1001 float32 minus the same on 999 float32.
+    Pinned to one CPU it is a steady few microseconds (both threads share the CPU). Unpinned, on a
+    2-CPU VM, `jax.jacrev` of roe_flux_1d took 45-50 us per call for the first ~40 ms of calls of
+    a newly compiled function, then 102-108 us (30.7 us throughout when pinned), so unpinned
+    medians compared competitors by when they were timed, not by what they compute.
+  At these sizes the ratio mostly shows the call floor, which side of the 1000-flop line each
+  program falls on (the flop counts are listed under the table) and the number of XLA kernels a
+  call runs; the Jacobian's arithmetic is a small part of it.
 - *Batched*: the same for `jax.jit(jax.vmap(jacobian))` over B points (every differentiated argument
   batched; the points are the example point times `1 + 0.01 * N(0, 1)` noise, seed 0), with Cb
   calls per round, or fewer (at least one) for a competitor whose Cb calls would take over 0.25 s.
@@ -139,6 +155,8 @@ class Result:
     batched: dict = field(default_factory=dict)
     first: dict = field(default_factory=dict)
     floor: float = math.nan  # seconds per call of the call floor (see call_floor)
+    handoff: float = math.nan  # seconds a call handed to XLA's worker thread costs more (see PROBES)
+    flops: dict = field(default_factory=dict)  # competitor -> XLA's flop count of its point program
     ops: dict = field(default_factory=dict)  # order -> (mults, adds)
     deviation: dict = field(default_factory=dict)  # order -> max relative deviation from jax.jacrev
 
@@ -305,10 +323,11 @@ def bench_program(name: str, fn, args, opts) -> Result:
     note(f"{name}: run time ({opts.rounds} rounds x {opts.calls} calls"
          + (f", in a child process pinned to CPU {cpu})" if cpu is not None else ")"))
     if cpu is None:
-        result.run = time_point(fn, args, argnums, outputs["jax.jacrev"], opts.rounds, opts.calls)
+        result.run, result.flops = time_point(fn, args, argnums, outputs["jax.jacrev"], opts.rounds, opts.calls)
     else:
-        result.run = time_point_pinned(name, cpu, opts)
+        result.run, result.flops = time_point_pinned(name, cpu, opts)
     result.floor = result.run.pop(FLOOR)
+    result.handoff = result.run.pop(PROBE_HANDED_OFF) - result.run.pop(PROBE_INLINE)
 
     note(f"{name}: batched run time (batch {opts.batch}, {opts.rounds} rounds x {opts.batch_calls} calls at most)")
     batch = batch_of(args, argnums, opts.batch)
@@ -319,14 +338,37 @@ def bench_program(name: str, fn, args, opts) -> Result:
     return result
 
 
-def time_point(fn, args, argnums, reference, rounds: int, calls: int) -> dict:
-    """Median seconds per call at ``args`` of each competitor and of the call floor (``reference``
-    is ``jax.jacrev``'s Jacobian, whose pytree the floor returns)."""
+def xla_flops(jitted, args) -> float:
+    """The flop count of XLA's cost analysis of ``jitted``'s program for ``args`` (the count by
+    which XLA:CPU decides whether a call runs on the calling thread, see INLINE_FLOPS)."""
+    analysis = jitted.lower(*args).compile().cost_analysis()
+    if isinstance(analysis, (list, tuple)):  # one entry per program on older JAX versions
+        analysis = analysis[0]
+    return float(analysis.get("flops", math.nan))
+
+
+def handoff_probe(size: int):
+    """A function of the program's arguments that calls a jitted x + 1 on its own vector of
+    ``size`` float32 (``size`` flops for XLA's cost analysis)."""
+    import jax
+    import jax.numpy as jnp
+
+    vector = jnp.ones(size, jnp.float32)
+    add_one = jax.jit(lambda x: x + 1.0)
+    return lambda *args: add_one(vector)
+
+
+def time_point(fn, args, argnums, reference, rounds: int, calls: int) -> tuple:
+    """``(times, flops)`` at ``args``: the median seconds per call of each competitor, of the call
+    floor (``reference`` is ``jax.jacrev``'s Jacobian, whose pytree the floor returns) and of the
+    two PROBES; and the XLA flop count (:func:`xla_flops`) of each competitor's program."""
     import jax
 
     fns = {c: jax.jit(jacobian_maker(fn, argnums, c)()) for c in COMPETITORS}
+    flops = {c: xla_flops(f, args) for c, f in fns.items()}
     fns[FLOOR] = call_floor(reference, argnums)
-    return time_round_robin(fns, args, rounds, calls)
+    fns.update({probe: handoff_probe(size) for probe, size in PROBES.items()})
+    return time_round_robin(fns, args, rounds, calls), flops
 
 
 def point_worker(name: str, rounds: int, calls: int) -> None:
@@ -339,16 +381,17 @@ def point_worker(name: str, rounds: int, calls: int) -> None:
     print(json.dumps(time_point(fn, args, argnums, reference, rounds, calls)))
 
 
-def time_point_pinned(name: str, cpu: int, opts) -> dict:
+def time_point_pinned(name: str, cpu: int, opts) -> tuple:
     """:func:`time_point` of the sample program ``name``, measured in a child process that runs on
-    CPU ``cpu`` only, from before it imports JAX (see METHOD: XLA's CPU client then runs a call on
-    the calling thread, with no hand-off to a worker thread to wait for)."""
+    CPU ``cpu`` only, from before it imports JAX (see METHOD: the hand-off of a call to XLA's worker
+    thread then costs the same throughout the run)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--point-worker", name, "--worker-cpu", str(cpu),
                "--rounds", str(opts.rounds), "--calls", str(opts.calls)]
     child = subprocess.run(command, capture_output=True, text=True, check=False)
     if child.returncode != 0:
         raise RuntimeError(f"point timing of {name} failed:\n{child.stderr[-2000:]}")
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    times, flops = json.loads(child.stdout.strip().splitlines()[-1])
+    return times, flops
 
 
 def pinnable_cpu():
@@ -427,26 +470,42 @@ def floor_bound(times: dict, floor: float) -> float:
     return floor / min(times[c] for c in JAX_COMPETITORS)
 
 
+INLINE_MARK = "\N{DAGGER}"
+
+
 def timing_table(results, key: str, unit: str, floor: bool = False) -> list:
     """One row per program: each competitor's time, the best jacve order and the ratio; with
-    ``floor``, also the call floor (:func:`call_floor`) and the floor bound (:func:`floor_bound`)."""
+    ``floor``, also the call floor (:func:`call_floor`), the floor bound (:func:`floor_bound`) and
+    the hand-off cost (PROBES), and INLINE_MARK on the times of calls XLA runs on the calling thread."""
     header = "| program | " + " | ".join(f"`{c}`" for c in COMPETITORS) + " | best jacve | ratio |"
-    lines = [header + (f" {FLOOR} | floor bound |" if floor else ""),
-             "|---" * (len(COMPETITORS) + 3 + 2 * floor) + "|"]
+    lines = [header + (f" {FLOOR} | floor bound | hand-off |" if floor else ""),
+             "|---" * (len(COMPETITORS) + 3 + 3 * floor) + "|"]
     ratios, bounds = [], []
     for r in results:
         times = getattr(r, key)
         ratio = speed_ratio(times)
         ratios.append(ratio)
-        cells = [_time(times[c], unit) for c in COMPETITORS]
+        cells = [_time(times[c], unit) + (INLINE_MARK if floor and runs_inline(r, c) else "") for c in COMPETITORS]
         row = f"| {r.name} | " + " | ".join(cells) + f" | {best_order(times)} | {ratio:.2f} |"
         if floor:
             bounds.append(floor_bound(times, r.floor))
-            row += f" {_time(r.floor, unit)} | {bounds[-1]:.2f} |"
+            row += f" {_time(r.floor, unit)} | {bounds[-1]:.2f} | {_time(r.handoff, unit)} |"
         lines.append(row)
     lines.append("| **geo. mean** |" + " |" * (len(COMPETITORS) + 1) + f" **{geomean(ratios):.2f}** |"
-                 + (f" | **{geomean(bounds):.2f}** |" if floor else ""))
+                 + (f" | **{geomean(bounds):.2f}** | |" if floor else ""))
+    if floor:
+        lines += ["", f"{INLINE_MARK}: XLA's cost analysis counts fewer than {INLINE_FLOPS} flops in this program, so "
+                  "XLA:CPU runs the call on the calling thread; every other call is handed to a worker thread, "
+                  "which costs the *hand-off* column more (see the method). XLA flop counts: "
+                  + "; ".join(f"{r.name}: " + ", ".join(f"{c.removeprefix('jax.').removeprefix('jacve ')} "
+                                                         f"{r.flops[c]:.0f}" for c in COMPETITORS)
+                              for r in results) + "."]
     return lines
+
+
+def runs_inline(result: Result, competitor: str) -> bool:
+    """Whether XLA:CPU runs ``competitor``'s point program on the calling thread (INLINE_FLOPS)."""
+    return result.flops.get(competitor, math.inf) < INLINE_FLOPS
 
 
 def first_call_table(results) -> list:

@@ -67,6 +67,8 @@ def test_every_measurement_is_made(bench, measured):
         assert set(times) == set(bench.COMPETITORS)
         assert all(0 < t < 60 for t in times.values())
     assert 0 < result.floor < 60
+    assert -60 < result.handoff < 60  # a difference of two timed probes (see bench.PROBES)
+    assert set(result.flops) == set(bench.COMPETITORS) and all(f > 0 for f in result.flops.values())
     assert set(result.deviation) == set(bench.ORDERS)
     assert max(result.deviation.values()) <= bench.TOLERANCE
 
@@ -95,7 +97,9 @@ def test_markdown_report(bench, measured):
         assert header[:6] == ["program", "`jax.jacfwd`", "`jax.jacrev`", "`jacve fwd`", "`jacve rev`",
                               "`jacve markowitz`"]
         assert row[0] == "toy"
-        times = dict(zip(header[1:6], (float(c) for c in row[1:6])))
+        times = dict(zip(header[1:6], (float(c.rstrip(bench.INLINE_MARK)) for c in row[1:6])))
+        for competitor, cell in zip(bench.COMPETITORS, row[1:6]):  # the mark: XLA runs the call inline
+            assert cell.endswith(bench.INLINE_MARK) == (key == "run" and bench.runs_inline(result, competitor))
         best = row[6]
         assert best in bench.ORDERS
         assert times[f"`jacve {best}`"] == min(times[f"`jacve {o}`"] for o in bench.ORDERS)
@@ -103,12 +107,13 @@ def test_markdown_report(bench, measured):
         expected = times[f"`jacve {best}`"] / min(times["`jax.jacfwd`"], times["`jax.jacrev`"])
         assert math.isclose(ratio, expected, rel_tol=0.05, abs_tol=0.01)  # shown times are rounded
         assert ratio == pytest.approx(bench.speed_ratio(getattr(result, key)), abs=0.006)
-        if key == "run":  # the call floor and the floor bound are the last columns of the point table only
-            assert header[-2:] == ["call floor", "floor bound"]
-            assert float(row[-2]) == pytest.approx(result.floor * unit, rel=0.01)
+        if key == "run":  # the call floor, floor bound and hand-off are the last columns of the point table only
+            assert header[-3:] == ["call floor", "floor bound", "hand-off"]
+            assert float(row[-3]) == pytest.approx(result.floor * unit, rel=0.01)
             bound = result.floor / min(result.run[c] for c in bench.JAX_COMPETITORS)
-            assert float(row[-1]) == pytest.approx(bound, abs=0.006) and mean[-1] == f"**{row[-1]}**"
-            header, row, mean = header[:-2], row[:-2], mean[:-2]
+            assert float(row[-2]) == pytest.approx(bound, abs=0.006) and mean[-2] == f"**{row[-2]}**"
+            assert float(row[-1]) == pytest.approx(result.handoff * unit, rel=0.01, abs=0.01)
+            header, row, mean = header[:-3], row[:-3], mean[:-3]
         else:
             assert len(header) == 8
         assert mean[0] == "**geo. mean**" and mean[-1] == f"**{row[7]}**"  # one program: the mean is its ratio
@@ -193,7 +198,8 @@ def test_point_timing_in_a_pinned_child(bench):
     if cpu is None:
         pytest.skip("this process may run on one CPU only (or cannot set affinity): nothing to pin")
     opts = argparse.Namespace(**bench.QUICK, quick=True)
-    times = bench.time_point_pinned("roe_flux_1d", cpu, opts)
-    assert set(times) == set(bench.COMPETITORS) | {bench.FLOOR}
+    times, flops = bench.time_point_pinned("roe_flux_1d", cpu, opts)
+    assert set(times) == set(bench.COMPETITORS) | {bench.FLOOR} | set(bench.PROBES)
     assert all(0 < t < 60 for t in times.values())
+    assert set(flops) == set(bench.COMPETITORS) and all(f > 0 for f in flops.values())
     assert bench.parse_args([]).pin_cpu == cpu and bench.parse_args(["--no-pin"]).pin_cpu is None
