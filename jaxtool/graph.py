@@ -231,12 +231,12 @@ def _np_broadcast_in_dim(x, *, shape, broadcast_dimensions, **_):
     return np.broadcast_to(np.reshape(x, expanded), shape)
 
 
-#: NumPy forms of integer and boolean primitives, for values computed from constants (see :func:`evaluate`)
 #: primitives that :func:`evaluate` computes otherwise than by ``bind`` (name -> function of the
 #: input values and the equation's params, returning its one result): a small matrix product is
 #: a fused multiply-and-sum, cheaper on XLA:CPU than a library call (see ``partials.SMALL_CONTRACTION``)
 PRIMAL_RULES = {"dot_general": partials.dot_general}
 
+#: NumPy forms of integer and boolean primitives, for values computed from constants (see :func:`evaluate`)
 NUMPY_RULES = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
     "neg": np.negative, "abs": np.abs, "sign": np.sign, "rem": np.fmod,
