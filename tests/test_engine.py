@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import pathlib
 import random
 
@@ -698,6 +699,8 @@ def test_zero_size_values_broadcast_against_size_one_values():
     ((2, 3), (4,), (((), ()), ((), ()))),  # an outer product
     ((0, 3), (3, 2), (((1,), (0,)), ((), ()))),
     ((32, 32), (32, 32), (((1,), (0,)), ((), ()))),  # over SMALL_CONTRACTION: lax.dot_general itself
+    ((8, 4), (4,), (((1,), (0,)), ((), ()))),  # matrix-vector products: lax.dot_general whatever their size
+    ((4,), (4, 8), (((0,), (0,)), ((), ()))),
 ])
 def test_primal_dot_general_matches_lax(lhs_shape, rhs_shape, dimension_numbers):
     rng = np.random.default_rng(0)
@@ -706,7 +709,9 @@ def test_primal_dot_general_matches_lax(lhs_shape, rhs_shape, dimension_numbers)
     expected = lax.dot_general(lhs, rhs, dimension_numbers)
     fused = jax.make_jaxpr(lambda a, b: partials.dot_general(a, b, dimension_numbers))(lhs, rhs)
     loop = int(np.prod(expected.shape)) * int(np.prod([lhs_shape[a] for a in dimension_numbers[0][0]]))
-    assert any(e.primitive is lax.dot_general_p for e in fused.eqns) == (loop > partials.SMALL_CONTRACTION)
+    (lc, rc), (lb, _) = dimension_numbers
+    matvec = not lb and (len(lc) == len(lhs_shape) or len(rc) == len(rhs_shape))
+    assert any(e.primitive is lax.dot_general_p for e in fused.eqns) == (loop > partials.SMALL_CONTRACTION or matvec)
     for got in (partials.dot_general(lhs, rhs, dimension_numbers),
                 jax.jit(lambda a, b: partials.dot_general(a, b, dimension_numbers))(lhs, rhs)):
         assert got.shape == expected.shape and got.dtype == expected.dtype
@@ -718,3 +723,23 @@ def test_primal_dot_general_matches_lax(lhs_shape, rhs_shape, dimension_numbers)
         narrow = jax.make_jaxpr(lambda a: partials.dot_general(a, a, (((1,), (0,)), ((), ())),
                                                                preferred_element_type=preferred))(bf16)
         assert [e.primitive for e in narrow.eqns] == [lax.dot_general_p]
+
+
+def test_contractions_reach_dot_general_in_canonical_form():
+    # XLA:CPU runs a dot whose operands are not (batch, free, contracted) x (batch, contracted, free)
+    # with a slow generic loop: every operand and result layout must come out right all the same
+    rng = np.random.default_rng(1)
+    sizes = {"b": 2, "m": 3, "k": 4, "n": 5}
+    for sx, sy, so in itertools.product(map("".join, itertools.permutations("bmk")),
+                                        map("".join, itertools.permutations("bkn")),
+                                        map("".join, itertools.permutations("bmn"))):
+        x = jnp.asarray(rng.standard_normal([sizes[l] for l in sx]), jnp.float32)
+        y = jnp.asarray(rng.standard_normal([sizes[l] for l in sy]), jnp.float32)
+        got = partials._dot((x, y), (sx, sy), so, np.dtype(np.float32))
+        np.testing.assert_allclose(got, jnp.einsum(f"{sx},{sy}->{so}", x, y), rtol=1e-5, atol=1e-5)
+        (dot,) = [e for e in jax.make_jaxpr(lambda a, c: partials._dot((a, c), (sx, sy), so, np.dtype(np.float32)))(
+            x, y).eqns if e.primitive is lax.dot_general_p]
+        (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
+        lhs_rank = len(dot.invars[0].aval.shape)
+        assert lb == rb == (0,) and lc == (lhs_rank - 1,) and rc == (1,), (sx, sy, so)
+
