@@ -241,6 +241,9 @@ class Linear(Partial):
     index: Optional[np.ndarray] = field(default=None, compare=False)
     #: for a sum of scaled selections with known indices: those selections (``fn`` is their sum)
     parts: tuple = field(default=(), compare=False)
+    #: for one partial of an opaque equation: ``(pullbacks, i)``, the equation's :class:`JointPullback`
+    #: for this output and this partial's input position, so that one VJP serves all its inputs
+    joint: Optional[tuple] = field(default=None, compare=False)
 
     @property
     def abstract(self) -> bool:
@@ -300,9 +303,19 @@ class Linear(Partial):
         scale = reshaped(self.scale, np.shape(self.scale) + (1,) * len(self.in_shape))
         return cast(_zero_unless(one_hot, cast(scale, self.dtype)), self.dtype)
 
+    def _joint(self):
+        """``(pullbacks, i)`` where one VJP of the whole equation can stand for this partial's."""
+        if self.joint is None or self.has_scale or self.fn is None or not self.joint[0].usable():
+            return None
+        return self.joint
+
     def to_dense(self):
         """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""
         n_in, n_out = _size(self.in_shape), _size(self.out_shape)
+        joint = self._joint()
+        if joint is not None and n_out < joint[0].total_in:  # rows of all of the equation's blocks at once
+            rows = joint[0].pull(joint[0], jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape))
+            return rows[joint[1]].reshape(self.shape)
         if self.parts or self.index is not None:
             parts = self.parts or (self,)
             if n_out * n_in > SMALL_DENSE:
@@ -730,9 +743,52 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
             block = block * jnp.broadcast_to(a.scale, a.out_shape).astype(dtype)
         pulled = _scatter_columns(block.reshape(n_rows, _size(a.out_shape)).astype(dtype), a.index.reshape(-1),
                                   _size(a.in_shape))
+    elif a._joint() is not None:  # the same rows pulled back through all inputs of a's equation at once
+        pullbacks, i = a._joint()
+        pulled = pullbacks.pull(b, cast(block, a.dtype))[i]
     else:
         pulled = jax.vmap(a.apply_t)(cast(block, a.dtype))
     return replace(result, val=cast(reshaped(pulled, val_shape), dtype)), cost
+
+
+class JointPullback:
+    """The VJP of one equation's output with respect to all its differentiated inputs at once.
+
+    An opaque equation (``scan``, ``while``, linear algebra) has one partial per differentiated
+    input. Pulled back one by one, each would trace JAX's transpose of the whole equation (a
+    ``scan`` backwards per input); this computes every input's cotangents in one pass and
+    remembers them per block of cotangents, keyed by the partial the block came from (the rows of
+    one edge meet each of the equation's partials in turn when its vertex is eliminated).
+    ``make_vjp()`` returns the map from one output cotangent to the tuple of input cotangents;
+    where JAX cannot transpose the equation (``while``), the partials pull back alone.
+    """
+
+    def __init__(self, make_vjp: Callable, out_struct, total_in: int):
+        self._make_vjp = make_vjp  # () -> vjp, called once, when first needed
+        self._out_struct = out_struct  # the output's ShapeDtypeStruct
+        self.total_in = total_in  # elements of all the differentiated inputs together
+        self._vjp = None
+        self._usable = None
+        self._memo = {}
+
+    def usable(self) -> bool:
+        if self._usable is None:
+            try:
+                self._vjp = self._make_vjp()
+                jax.eval_shape(self._vjp, self._out_struct)  # JAX may linearize what it cannot transpose
+                self._usable = True
+            except Exception:  # noqa: BLE001 - no reverse rule: each partial's own forward map is used
+                self._usable = False
+        return self._usable
+
+    def pull(self, source, block) -> tuple:
+        """Cotangents of every input for the cotangents ``block`` (leading axis: rows) that came
+        from ``source`` (this object itself for the identity rows of densifying); computed once per
+        ``source``."""
+        key = id(source)
+        if key not in self._memo:
+            self._memo[key] = (source, jax.vmap(self._vjp)(block))  # the source kept alive: its id stays its own
+        return self._memo[key][1]
 
 
 def _scatter_columns(rows, index: np.ndarray, n: int):

@@ -28,7 +28,8 @@ from jax.extend.core import primitives as P
 from jaxtool._compat import split_p
 from jaxtool.errors import UnsupportedError
 from jaxtool.graph import NUMPY_RULES, FlatEqn, bind
-from jaxtool.partials import MAX_PARTS, Linear, Sparse, reshaped, selection_from_index, sum_of_selections
+from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, reshaped, selection_from_index,
+                              sum_of_selections)
 
 Rule = Callable  # (eqn, invals, outvals, wrt) -> list[(int, int, Partial)]
 RULES: dict = {}
@@ -709,7 +710,7 @@ def _on_pairs(partial):
         index = np.where(index[..., None] >= 0, 2 * index[..., None] + np.arange(2), -1)
     scale = None if partial.scale is None else jnp.expand_dims(partial.scale, -1)
     return replace(partial, out_shape=out_shape, in_shape=in_shape, fn=per_part(partial.fn),
-                   fn_t=per_part(partial.fn_t), scale=scale, flops=2 * partial.flops, index=index)
+                   fn_t=per_part(partial.fn_t), scale=scale, flops=2 * partial.flops, index=index, joint=None)
 
 
 def _complex_elementwise(eqn, invals, outvals, wrt):
@@ -771,5 +772,23 @@ def opaque(eqn, invals, outvals, wrt):
         except Exception:
             raise _cannot_differentiate(eqn, jvp_error) from jvp_error
     n_out = sum(int(np.prod(_shape(outvals[k]))) for k in outs)
-    return [(i, k, _linear_from_jvp(eqn, invals, outvals, i, k, selection=False, flops=n_out, opaque=True))
-            for i in wrt for k in outs]
+    total_in = sum(int(np.prod(_shape(invals[i]))) for i in wrt)
+    joint = {k: JointPullback(lambda k=k: _vjp_of_output(eqn, invals, wrt, k),
+                              jax.ShapeDtypeStruct(_shape(outvals[k]), jax.typeof(outvals[k]).dtype), total_in)
+             for k in outs}
+    return [(i, k, replace(_linear_from_jvp(eqn, invals, outvals, i, k, selection=False, flops=n_out, opaque=True),
+                           joint=(joint[k], n)))
+            for n, i in enumerate(wrt) for k in outs]
+
+
+def _vjp_of_output(eqn, invals, wrt, k) -> Callable:
+    """The VJP of output ``k`` of ``eqn`` with respect to its inputs ``wrt`` together: cotangent ->
+    tuple of input cotangents (raises where JAX cannot transpose the equation)."""
+    def of_wrt(*xs):
+        full = list(invals)
+        for i, x in zip(wrt, xs):
+            full[i] = x
+        out = bind(eqn, *full)
+        return out[k] if eqn.primitive.multiple_results else out
+
+    return jax.vjp(of_wrt, *(invals[i] for i in wrt))[1]

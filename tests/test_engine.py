@@ -421,6 +421,43 @@ def test_opaque_vertices_are_listed():
     assert trace_problem(lambda x: jnp.sin(x) * x, X).opaque == ()
 
 
+def _rnn(w_h, w_x, b, xs):
+    def cell(h, x):
+        return jnp.tanh(h @ w_h + x @ w_x + b), None
+
+    return lax.scan(cell, jnp.zeros(b.shape, b.dtype), xs)[0]
+
+
+def _count_primitive(closed, name) -> int:
+    count = 0
+    for eqn in closed.jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param if hasattr(param, "eqns") else None)
+            if inner is not None:
+                count += _count_primitive(jax.extend.core.ClosedJaxpr(getattr(inner, "jaxpr", inner), []), name)
+    return count
+
+
+def test_an_opaque_equation_is_pulled_back_once_for_all_its_inputs():
+    rng = np.random.default_rng(3)
+    args = tuple(jnp.asarray(rng.standard_normal(s), jnp.float32) * 0.5 for s in ((4, 4), (3, 4), (4,), (5, 3)))
+    for fun in (_rnn, lambda *a: jnp.sum(jnp.tanh(_rnn(*a)) ** 2)):  # the scan as output; as an intermediate
+        want = jax.jacrev(fun, argnums=(0, 1, 2, 3))(*args)
+        for order in ("rev", "markowitz", "fwd"):
+            got = jaxtool.jacve(fun, order=order, argnums=(0, 1, 2, 3))(*args)
+            assert_same_jacobian(got, want, rtol=1e-4, atol=1e-5)
+        # the primal scan, the VJP's forward scan and ONE transposed scan, not one per input
+        jaxpr = jax.make_jaxpr(jaxtool.jacve(fun, order="rev", argnums=(0, 1, 2, 3)))(*args)
+        assert _count_primitive(jaxpr, "scan") == 3
+    # a while loop has no reverse rule: each partial is still applied through its own JVP
+    def loop(x, y):
+        return lax.while_loop(lambda c: c[1] < 3, lambda c: (jnp.sin(c[0]) * y, c[1] + 1), (x, 0))[0]
+    x, y = jnp.linspace(0.1, 0.5, 3), jnp.linspace(-0.3, 0.2, 3)
+    assert_same_jacobian(jaxtool.jacve(loop, order="rev", argnums=(0, 1))(x, y),
+                         jax.jacfwd(loop, argnums=(0, 1))(x, y), rtol=1e-4, atol=1e-5)
+
+
 #: every elementwise primitive the engine's issue names, applied where its derivative is finite:
 #: (lax function, map of an input in (-1, 1) into its domain); each must keep a diagonal partial
 ELEMENTWISE_PRIMITIVES = {
