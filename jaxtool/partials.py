@@ -312,10 +312,10 @@ class Linear(Partial):
     def to_dense(self):
         """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""
         n_in, n_out = _size(self.in_shape), _size(self.out_shape)
-        joint = self._joint()
-        if joint is not None and n_out < joint[0].total_in:  # rows of all of the equation's blocks at once
-            rows = joint[0].pull(joint[0], jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape))
-            return rows[joint[1]].reshape(self.shape)
+        if self.joint is not None and n_out < self.joint[0].total_in and self._joint() is not None:
+            pullbacks, i = self.joint  # rows of all of the equation's blocks at once
+            rows = pullbacks.pull(pullbacks, jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape))
+            return rows[i].reshape(self.shape)
         if self.parts or self.index is not None:
             parts = self.parts or (self,)
             if n_out * n_in > SMALL_DENSE:
