@@ -8,7 +8,9 @@ For each AlphaGrad/graphax benchmark task in ``sample_programs/`` (function ``NA
 - run time of the same under ``jax.jit(jax.vmap(...))`` over ``--batch`` points near the example;
 - the first call (trace + compile + run) of each, with JAX's caches cleared before it;
 - the multiplications and additions of each jacve order, next to graphax's published counts;
-- run time at the example point of larger programs with sparse Jacobians (``STRUCTURED``).
+- run time at the example point of larger programs with sparse Jacobians (``STRUCTURED``);
+- run time, at the example point and batched, of the other sample programs (``OTHERS``: pytree
+  arguments, a ``scan``, tensor products), in tables of their own.
 
 Every program is differentiated with respect to ALL its floating-point positional arguments, so
 the Jacobian is the full one (as graphax and the AlphaGrad paper count it). Each jacve Jacobian
@@ -44,6 +46,11 @@ PROGRAMS = ("roe_flux_1d", "roe_flux_3d", "robot_arm_6dof", "human_heart_dipole"
 
 #: larger programs whose Jacobians are sparse (stencils): run time at the example point only
 STRUCTURED = ("bratu_1d", "bratu_2d")
+
+#: the other sample programs (name -> the function's name in NAME.py): measured like the benchmark
+#: tasks, reported apart (their geometric mean is not the tasks')
+OTHERS = {"mlp": "mlp_loss", "attention": "attention", "scan_rnn": "rnn", "pytree_params": "loss"}
+ALL_PROGRAMS = PROGRAMS + STRUCTURED + tuple(OTHERS)
 
 ORDERS = ("fwd", "rev", "markowitz")
 JAX_COMPETITORS = ("jax.jacfwd", "jax.jacrev")
@@ -139,6 +146,11 @@ Every jacve Jacobian is checked against `jax.jacrev`'s (last column of the opera
   `jaxtool.elimination.run(problem.plan(), order)`, next to graphax's published multiplication
   counts (commit 5b13282, jax 0.10.2; its "mM" is a degree-based minimal Markowitz order, ours is
   size-weighted: it eliminates the vertex that costs the fewest multiplications now).
+- *Other sample programs*: the run time at the example point and batched, measured as for the
+  tasks, of the rest of `sample_programs/`: a two-layer MLP loss with a dict of parameters (`mlp`),
+  self-attention of 8 tokens of width 16 (`attention`), an Elman RNN over 5 steps of `lax.scan`
+  (`scan_rnn`) and an autoencoder loss with nested pytree parameters (`pytree_params`). Every
+  floating-point argument is differentiated (for `mlp`, the data as well as the parameters).
 
 Timings depend on the machine and its load; compare ratios, not absolute numbers, across machines.
 """
@@ -169,14 +181,17 @@ def load_program(name: str):
     """``(fn, args)``: the sample program ``name`` and its example point."""
     import jaxtool
 
-    return jaxtool.load(f"{SAMPLES_DIR / (name + '.py')}:{name}")
+    return jaxtool.load(f"{SAMPLES_DIR / (name + '.py')}:{OTHERS.get(name, name)}")
 
 
 def float_argnums(args) -> tuple:
-    """Positions of the floating-point positional arguments (all of them are differentiated)."""
+    """Positions of the positional arguments whose leaves are all floating point (all of those are
+    differentiated)."""
+    import jax
     import jax.numpy as jnp
 
-    return tuple(i for i, a in enumerate(args) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating))
+    return tuple(i for i, a in enumerate(args)
+                 if all(jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) for x in jax.tree_util.tree_leaves(a)))
 
 
 def jacobian_maker(fn, argnums, competitor: str):
@@ -204,7 +219,7 @@ def call_floor(reference, argnums):
     specs = [(x.shape, x.dtype) for x in leaves]
 
     def floor(*args):
-        value = jnp.ravel(jnp.asarray(args[argnums[0]]))[0]
+        value = jnp.ravel(jax.tree_util.tree_leaves(args[argnums[0]])[0])[0]
         return jax.tree_util.tree_unflatten(tree, [jnp.full(shape, value, dtype) for shape, dtype in specs])
 
     return jax.jit(floor)
@@ -212,16 +227,18 @@ def call_floor(reference, argnums):
 
 def batch_of(args, argnums, size: int, seed: int = 0):
     """``args`` with each differentiated argument replaced by ``size`` nearby points (leading axis)."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    out = list(args)
-    for i in argnums:
-        x = np.asarray(args[i])
+
+    def near(x):
+        x = np.asarray(x)
         noise = rng.standard_normal((size,) + x.shape)
-        out[i] = jnp.asarray(x * (1.0 + 0.01 * noise), dtype=x.dtype)
-    return tuple(out)
+        return jnp.asarray(x * (1.0 + 0.01 * noise), dtype=x.dtype)
+
+    return tuple(jax.tree_util.tree_map(near, a) if i in argnums else a for i, a in enumerate(args))
 
 
 def time_round_robin(fns: dict, args, rounds: int, calls: int, budget: float = math.inf) -> dict:
@@ -549,14 +566,15 @@ def structured_table(results) -> list:
     return lines
 
 
-def report(results, opts, machine: list, load_before, load_after, elapsed: float, structured=()) -> str:
+def report(results, opts, machine: list, load_before, load_after, elapsed: float, structured=(), others=()) -> str:
     """The whole markdown report."""
-    names = ", ".join(r.name for r in list(results) + list(structured))
+    names = ", ".join(r.name for r in list(results) + list(structured) + list(others))
     setup = (f"R = {opts.rounds} rounds, C = {opts.calls} calls, Cb = {opts.batch_calls} batched calls, "
              f"B = {opts.batch}, F = {opts.first_calls}")
     if opts.quick:
         setup += " (`--quick`: NOT meaningful timings)"
-    argnums = "; ".join(f"{r.name}: {len(r.argnums)} of {r.num_args}" for r in list(results) + list(structured))
+    argnums = "; ".join(f"{r.name}: {len(r.argnums)} of {r.num_args}"
+                        for r in list(results) + list(structured) + list(others))
     lines = [METHOD, "## Machine", "", *machine,
              f"- load average (1, 5, 15 min) before: {_load(load_before)}; after: {_load(load_after)}",
              f"- settings: {setup}; the whole run took {elapsed:.0f} s",
@@ -575,6 +593,14 @@ def report(results, opts, machine: list, load_before, load_after, elapsed: float
     if structured:
         lines += ["## Structured Jacobians at the example point (milliseconds per call, median)", "",
                   *structured_table(structured), ""]
+    if others:
+        lines += ["## Other sample programs", "",
+                  "Measured as the benchmark tasks (their Jacobians checked against `jax.jacrev`'s, largest "
+                  "deviation: " + ", ".join(f"{r.name} {max(r.deviation.values()):.1e}" for r in others) + ").", "",
+                  "### Run time at the example point (microseconds per call, median)", "",
+                  *timing_table(others, "run", "us", floor=True), "",
+                  f"### Batched run time, `jit(vmap(...))` over {opts.batch} points (milliseconds per call, median)",
+                  "", *timing_table(others, "batched", "ms"), ""]
     return "\n".join(lines)
 
 
@@ -602,7 +628,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
-    parser.add_argument("--programs", help="comma-separated subset of: " + ", ".join(PROGRAMS + STRUCTURED))
+    parser.add_argument("--programs", help="comma-separated subset of: " + ", ".join(ALL_PROGRAMS))
     parser.add_argument("--rounds", type=int, help=f"rounds of interleaved timing (default {FULL['rounds']})")
     parser.add_argument("--calls", type=int, help=f"calls per competitor per round (default {FULL['calls']})")
     parser.add_argument("--batch", type=int, help=f"points in the batched measurement (default {FULL['batch']})")
@@ -629,12 +655,12 @@ def parse_args(argv):
             parser.error(f"--{key.replace('_', '-')} must be at least 1")
     if opts.programs:
         opts.programs = [p.strip() for p in opts.programs.split(",") if p.strip()]
-        unknown = [p for p in opts.programs if p not in PROGRAMS + STRUCTURED]
+        unknown = [p for p in opts.programs if p not in ALL_PROGRAMS]
         if unknown or not opts.programs:
             what = f"unknown program(s) {', '.join(unknown)}" if unknown else "no program given"
-            parser.error(f"{what}; choose from {', '.join(PROGRAMS + STRUCTURED)}")
+            parser.error(f"{what}; choose from {', '.join(ALL_PROGRAMS)}")
     else:
-        opts.programs = list(PROGRAMS + STRUCTURED)
+        opts.programs = list(ALL_PROGRAMS)
     opts.pin_cpu = None if opts.no_pin else pinnable_cpu()
     return opts
 
@@ -653,12 +679,14 @@ def main(argv=None) -> int:
     jax.config.update("jax_enable_compilation_cache", False)  # no persistent cache: first calls compile
     results = [bench_program(name, *load_program(name), opts) for name in opts.programs if name in PROGRAMS]
     structured = [bench_structured(name, *load_program(name), opts) for name in opts.programs if name in STRUCTURED]
-    text = report(results, opts, machine, load_before, _loadavg(), time.monotonic() - started, structured)
+    others = [bench_program(name, *load_program(name), opts) for name in opts.programs if name in OTHERS]
+    text = report(results, opts, machine, load_before, _loadavg(), time.monotonic() - started, structured, others)
     print(text)
     if opts.output:
         opts.output.write_text(text)
         note(f"wrote {opts.output}")
-    wrong = [f"{r.name} ({o})" for r in results + structured for o, d in r.deviation.items() if not d <= TOLERANCE]
+    wrong = [f"{r.name} ({o})" for r in results + structured + others for o, d in r.deviation.items()
+             if not d <= TOLERANCE]
     if wrong:
         note("error: jacve disagrees with jax.jacrev on " + ", ".join(wrong))
         return 1

@@ -152,7 +152,8 @@ def test_options(bench):
     assert quick.programs == ["encoder", "perceptron"]
     assert (quick.rounds, quick.calls, quick.batch) == (bench.QUICK["rounds"], 5, bench.QUICK["batch"])
     full = bench.parse_args([])
-    assert full.programs == list(bench.PROGRAMS + bench.STRUCTURED) and full.batch == 1024 and full.output is None
+    assert full.programs == list(bench.PROGRAMS + bench.STRUCTURED + tuple(bench.OTHERS))
+    assert full.batch == 1024 and full.output is None
 
 
 def test_round_robin_caps_slow_calls_by_budget(bench):
@@ -203,3 +204,21 @@ def test_point_timing_in_a_pinned_child(bench):
     assert all(0 < t < 60 for t in times.values())
     assert set(flops) == set(bench.COMPETITORS) and all(f > 0 for f in flops.values())
     assert bench.parse_args([]).pin_cpu == cpu and bench.parse_args(["--no-pin"]).pin_cpu is None
+
+
+def test_other_sample_programs_load_with_pytree_arguments(bench, measured):
+    for name, function in bench.OTHERS.items():
+        fn, args = bench.load_program(name)
+        assert fn.__name__ == function and bench.float_argnums(args)
+    _, args = bench.load_program("scan_rnn")  # (params dict, xs): both differentiated
+    assert bench.float_argnums(args) == (0, 1)
+    batch = bench.batch_of(args, (0, 1), 3)
+    assert batch[0]["w_h"].shape == (3, 4, 4) and batch[1].shape == (3, 5, 3)
+    result, _ = measured
+    opts = argparse.Namespace(**bench.QUICK, quick=True)
+    text = bench.report([result], opts, bench.machine_description(), None, None, 1.0, (), [result])
+    assert "## Other sample programs" in text and "largest deviation: toy" in text
+    section = text[text.index("## Other sample programs"):].replace("### ", "## ")
+    for heading, last in (("Run time", "hand-off"), ("Batched", "ratio")):  # the other programs' own tables
+        header, _, row, _ = _table(section, heading)
+        assert row[0] == "toy" and header[-1] == last
