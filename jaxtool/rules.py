@@ -87,7 +87,7 @@ def _jvp_at(eqn, invals, i, t):
     """Output tangents of ``eqn`` for tangent ``t`` on input ``i`` (zero on the others).
 
     The other inputs are held constant, so JAX passes them symbolic zeros, which some JVP rules
-    need (``scatter_mul`` with repeated indices, ``clamp`` with scalar bounds). A few rules reject
+    need (``scatter_mul`` with repeated indices). A few rules reject
     symbolic zeros instead (``custom_linear_solve``); those get explicit zero tangents.
     """
     def of_input_i(x):
@@ -124,7 +124,7 @@ ELEMENTWISE = [
     P.exp2_p, P.expm1_p, P.log_p, P.log1p_p, P.sin_p, P.cos_p, P.tan_p, P.asin_p, P.acos_p,
     P.atan_p, P.atan2_p, P.sinh_p, P.cosh_p, P.tanh_p, P.asinh_p, P.acosh_p, P.atanh_p,
     P.logistic_p, P.sqrt_p, P.rsqrt_p, P.cbrt_p, P.pow_p, P.integer_pow_p, P.square_p, P.erf_p,
-    P.erfc_p, P.erf_inv_p, P.select_n_p, P.clamp_p, P.rem_p, P.round_p, P.floor_p, P.ceil_p,
+    P.erfc_p, P.erf_inv_p, P.select_n_p, P.rem_p, P.round_p, P.floor_p, P.ceil_p,
     P.lgamma_p, P.digamma_p, P.igamma_p, P.igammac_p, P.nextafter_p, P.reduce_precision_p,
     P.bessel_i0e_p, P.bessel_i1e_p, P.polygamma_p, P.zeta_p,
 ]
@@ -167,6 +167,20 @@ def signed_sum(eqn, invals, outvals, wrt):
     negative = {P.sub_p: {1}, P.neg_p: {0}}.get(eqn.primitive, set())
     return [(i, 0, _operand_partial(_shape(invals[i]), out_shape,
                                     jnp.asarray(-1, dtype) if i in negative else None, dtype)) for i in wrt]
+
+
+@register(P.clamp_p)
+def clamp(eqn, invals, outvals, wrt):
+    """``clamp(lo, x, hi)``: each operand's partial is one where it is the result, as JAX's JVP rule
+    decides (``x`` strictly inside, ``lo`` above ``x`` and below ``hi``, ``hi`` below ``x``; zero at
+    ties). Written here because JAX's rule fails for a scalar bound of an array (``jax.jacfwd``
+    raises), which this rule differentiates as the broadcast it is."""
+    lo, x, hi = invals
+    out_shape = _shape(outvals[0])
+    dtype = jax.typeof(outvals[0]).dtype
+    chosen = {0: lambda: (lo > x) & (lo < hi), 1: lambda: (x > lo) & (x < hi), 2: lambda: hi < x}
+    return [(i, 0, _operand_partial(_shape(invals[i]), out_shape,
+                                    jnp.broadcast_to(chosen[i](), out_shape).astype(dtype), dtype)) for i in wrt]
 
 
 @register(P.mul_p)

@@ -495,6 +495,28 @@ def test_every_elementwise_primitive_is_diagonal_and_matches_jacrev(name):
         assert_orders_match(other, (x,), 0, jax.jacrev(other)(x), lambda p: ["fwd", "rev"], rtol=1e-4, atol=1e-5)
 
 
+def test_clamp_differentiates_every_operand_including_scalar_bounds():
+    # jax.jacfwd/jacrev raise for a scalar bound of an array operand; the same clamp with its bounds
+    # broadcast to the operand's shape is what JAX does differentiate, and must give the same blocks
+    x = jnp.linspace(-1.0, 1.0, 7)
+    lo, hi = jnp.float32(-0.45), jnp.float32(0.55)
+    scalar_bounds = lambda lo, x, hi: lax.clamp(lo, x, hi) * x  # noqa: E731
+
+    def broadcast(lo, x, hi):
+        return scalar_bounds(jnp.broadcast_to(lo, x.shape), x, jnp.broadcast_to(hi, x.shape))
+
+    with pytest.raises(Exception):
+        jax.jacfwd(scalar_bounds, argnums=(0, 1, 2))(lo, x, hi)
+    want = jax.jacrev(broadcast, argnums=(0, 1, 2))(lo, x, hi)
+    assert np.count_nonzero(want[0]) == np.count_nonzero(want[2]) == 2  # both bounds are reached
+    for order in ("fwd", "rev", "markowitz"):
+        assert_same_jacobian(jaxtool.jacve(scalar_bounds, order=order, argnums=(0, 1, 2))(lo, x, hi), want,
+                             rtol=1e-6, atol=1e-7)
+    arrays = (jnp.linspace(-0.8, 0.2, 7), x, jnp.linspace(0.9, -0.1, 7))  # array bounds, crossing the operand
+    want = jax.jacrev(scalar_bounds, argnums=(0, 1, 2))(*arrays)
+    assert_same_jacobian(jaxtool.jacve(scalar_bounds, argnums=(0, 1, 2))(*arrays), want, rtol=1e-6, atol=1e-7)
+
+
 def test_custom_jvp_rules_keep_their_structure():
     relu = trace_problem(lambda x: jax.nn.relu(x), M)
     (partial,) = relu.graph.preds[relu.outputs[0]].values()
