@@ -27,8 +27,8 @@ def _trace(fun, args, kwargs, positions, has_aux):
     """Trace ``fun`` as a function of the flat leaves of ``args[positions]``.
 
     Returns the flat program, the differentiated leaves, their tree, the output and aux trees,
-    and the aux leaves that are not arrays (strings, objects: ``{position: value}``), which are
-    returned as they are, as ``jax.jacrev`` returns them, instead of being program outputs.
+    and the aux leaves that are not arrays (Python scalars, strings, objects: ``{position: value}``),
+    which are returned as they are, as ``jax.jacrev`` returns them, instead of being program outputs.
     """
     for p in positions:
         if not -len(args) <= p < len(args):
@@ -45,7 +45,7 @@ def _trace(fun, args, kwargs, positions, has_aux):
         out, aux = result if has_aux else (result, None)
         out_leaves, trees["out"] = jax.tree_util.tree_flatten(out)
         aux_leaves, trees["aux"] = jax.tree_util.tree_flatten(aux)
-        trees["static"] = {n: leaf for n, leaf in enumerate(aux_leaves) if not _is_array(leaf)}
+        trees["static"] = {n: leaf for n, leaf in enumerate(aux_leaves) if not hasattr(leaf, "dtype")}
         return list(out_leaves) + [leaf for n, leaf in enumerate(aux_leaves) if n not in trees["static"]]
 
     program = flatten(jax.make_jaxpr(flat_fun)(*leaves))
@@ -56,6 +56,35 @@ def _signature(args, kwargs) -> tuple:
     """The tree, shapes and dtypes of a call's arguments (a ``jax.jit`` cache entry's)."""
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     return tree, tuple((np.shape(x), jnp.result_type(x)) for x in leaves)
+
+
+def _is_python_scalar(x) -> bool:
+    return isinstance(x, (bool, int, float, complex)) and not hasattr(x, "dtype")
+
+
+def _split(args, kwargs, positions):
+    """A call's arguments as (static, tree, dynamic) for the staged Jacobian.
+
+    Python scalars outside the differentiated arguments stay Python values (``static``: pairs of
+    flat leaf index and value), as ``jax.jacrev`` leaves them, so that ``fun`` may use them as
+    sizes or in Python control flow; every other leaf is traced (``dynamic``).
+    """
+    differentiated = {p % len(args) for p in positions} if args else set()
+    flags = []
+    for n, arg in enumerate(args):
+        flags += [n not in differentiated] * len(jax.tree_util.tree_leaves(arg))
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    flags += [True] * (len(leaves) - len(flags))  # keyword arguments are never differentiated
+    static = tuple((n, x) for n, (x, outside) in enumerate(zip(leaves, flags)) if outside and _is_python_scalar(x))
+    fixed = {n for n, _ in static}
+    return static, tree, [x for n, x in enumerate(leaves) if n not in fixed]
+
+
+def _merge(static, tree, dynamic):
+    """The ``(args, kwargs)`` that :func:`_split` split."""
+    values, dynamic = dict(static), iter(dynamic)
+    leaves = [values[n] if n in values else next(dynamic) for n in range(tree.num_leaves)]
+    return jax.tree_util.tree_unflatten(tree, leaves)
 
 
 def jacve(fun, order="rev", argnums=0, has_aux=False):
@@ -70,8 +99,11 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     traced program, numbered as ``jaxtool show --vertices`` prints them.
 
     The computation is staged with ``jax.jit``, so repeated calls with the same argument types
-    reuse the traced elimination; it composes with ``jax.jit``, ``jax.vmap``, ``jax.jacfwd``,
-    ``jax.jacrev`` and with ``jacve`` itself.
+    reuse the traced elimination. Python scalars (``int``, ``float``, ``bool``) among the
+    arguments not differentiated are passed to ``fun`` as they are, as ``jax.jacrev`` passes them
+    (``fun`` may use them as sizes or in ``if``), and each new value of one is traced anew. It
+    composes with ``jax.jit``, ``jax.vmap``, ``jax.jacfwd``, ``jax.jacrev`` and with ``jacve``
+    itself.
     """
     if isinstance(order, str):
         parse_order(order)  # fail early on a malformed name
@@ -96,25 +128,27 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
         leaves = [static[n] if n in static else next(arrays) for n in range(aux_tree.num_leaves)]
         return result, jax.tree_util.tree_unflatten(aux_tree, leaves)
 
-    # aux leaves that are not arrays cannot leave jax.jit: kept per argument signature, as traced
+    # aux leaves that are not arrays cannot leave jax.jit: kept per call signature, as traced
     aux_layouts = {}
 
-    def staged_parts(*args, **kwargs):
-        result, arrays, aux_tree, static = parts(*args, **kwargs)
+    def staged_parts(static, call_tree, *dynamic):
+        args, kwargs = _merge(static, call_tree, dynamic)
+        result, arrays, aux_tree, static_aux = parts(*args, **kwargs)
         if has_aux:
-            aux_layouts[_signature(args, kwargs)] = (aux_tree, static)
+            aux_layouts[static, _signature(args, kwargs)] = (aux_tree, static_aux)
         return result, arrays
 
-    staged = jax.jit(staged_parts)
+    staged = jax.jit(staged_parts, static_argnums=(0, 1))
 
     @functools.wraps(fun)
     def jacobian_staged(*args, **kwargs):
         leaves = jax.tree_util.tree_leaves((args, kwargs))
         if all(_is_array(x) for x in leaves):
-            result, arrays = staged(*args, **kwargs)
+            static, call_tree, dynamic = _split(args, kwargs, positions)
+            result, arrays = staged(static, call_tree, *dynamic)
             if not has_aux:
                 return result
-            return with_aux(result, arrays, *aux_layouts[_signature(args, kwargs)])
+            return with_aux(result, arrays, *aux_layouts[static, _signature(args, kwargs)])
         return with_aux(*parts(*args, **kwargs))  # non-array arguments cannot be staged
 
     return jacobian_staged

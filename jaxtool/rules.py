@@ -83,12 +83,15 @@ def partials_of(eqn: FlatEqn, invals, outvals, wrt) -> list:
 # helpers
 
 
-def _jvp_at(eqn, invals, i, t):
+def _jvp_at(eqn, invals, i, t, carrying=()):
     """Output tangents of ``eqn`` for tangent ``t`` on input ``i`` (zero on the others).
 
     The other inputs are held constant, so JAX passes them symbolic zeros, which some JVP rules
-    need (``scatter_mul`` with repeated indices). A few rules reject
-    symbolic zeros instead (``custom_linear_solve``); those get explicit zero tangents.
+    need (``scatter_mul`` with repeated indices). Some rules reject a symbolic zero where the input
+    carries a derivative in the program (a general ``reduce`` of several operands): the inputs
+    ``carrying`` (the equation's differentiated positions) then get explicit zero tangents and
+    the others, constants, stay symbolic, as in ``jax.jacfwd``. A few rules reject symbolic zeros
+    altogether (``custom_linear_solve``); those get explicit zero tangents for every input.
     """
     def of_input_i(x):
         return bind(eqn, *invals[:i], x, *invals[i + 1:])
@@ -96,8 +99,24 @@ def _jvp_at(eqn, invals, i, t):
     try:
         _, out = jax.jvp(of_input_i, (invals[i],), (t,))
     except TypeError:
-        tangents = [t if j == i else _zero_tangent(x) for j, x in enumerate(invals)]
-        _, out = jax.jvp(lambda *xs: bind(eqn, *xs), list(invals), tangents)
+        explicit = [j for j in carrying if j != i]
+        attempts = ([explicit] if explicit else []) + [[j for j in range(len(invals)) if j != i]]
+        for n, zeros in enumerate(attempts):
+            positions = [i] + zeros
+
+            def of_inputs(*xs, positions=positions):
+                full = list(invals)
+                for j, x in zip(positions, xs):
+                    full[j] = x
+                return bind(eqn, *full)
+
+            tangents = [t] + [_zero_tangent(invals[j]) for j in zeros]
+            try:
+                _, out = jax.jvp(of_inputs, tuple(invals[j] for j in positions), tuple(tangents))
+                break
+            except (TypeError, NotImplementedError):
+                if n == len(attempts) - 1:
+                    raise
     return out if eqn.primitive.multiple_results else (out,)
 
 
@@ -154,7 +173,7 @@ def elementwise(eqn, invals, outvals, wrt):
     result = []
     for i in wrt:
         x = invals[i]
-        d = _jvp_at(eqn, invals, i, jnp.ones(_shape(x), jax.typeof(x).dtype))[0]
+        d = _jvp_at(eqn, invals, i, jnp.ones(_shape(x), jax.typeof(x).dtype), wrt)[0]
         result.append((i, 0, _operand_partial(_shape(x), out_shape, d, dtype)))
     return result
 
@@ -362,10 +381,11 @@ def dot_general(eqn, invals, outvals, wrt):
 # lazily applied linear maps
 
 
-def _linear_from_jvp(eqn, invals, outvals, i, k, *, selection, flops, opaque):
+def _linear_from_jvp(eqn, invals, outvals, i, k, *, selection, flops, opaque, carrying=()):
     y = outvals[k]
     return Linear(_shape(y), _shape(invals[i]), np.dtype(jax.typeof(y).dtype),
-                  fn=lambda t: _jvp_at(eqn, invals, i, t)[k], selection=selection, flops=flops, opaque=opaque)
+                  fn=lambda t: _jvp_at(eqn, invals, i, t, carrying)[k], selection=selection, flops=flops,
+                  opaque=opaque)
 
 
 def _linear_by_bind(eqn, invals, outvals, i, k):
@@ -692,7 +712,7 @@ def complex_partials(eqn, invals, outvals, wrt):
             def fn(t, i=i, k=k, x_aval=x_aval, dtype=dtype):
                 if _is_complex(x_aval):
                     t = jax.lax.complex(t[..., 0], t[..., 1])
-                return _as_pairs(_jvp_at(eqn, invals, i, t.astype(x_aval.dtype))[k]).astype(dtype)
+                return _as_pairs(_jvp_at(eqn, invals, i, t.astype(x_aval.dtype), wrt)[k]).astype(dtype)
 
             n_out = int(np.prod(tangent_shape(y_aval)))
             result.append((i, k, Linear(tangent_shape(y_aval), tangent_shape(x_aval), dtype, fn=fn,
@@ -738,7 +758,7 @@ def _complex_elementwise(eqn, invals, outvals, wrt):
         x_aval = jax.typeof(invals[i])
         x_shape = tuple(x_aval.shape)
         units = (1, 1j) if _is_complex(x_aval) else (1,)
-        columns = [_as_pairs(_jvp_at(eqn, invals, i, jnp.full(x_shape, u, x_aval.dtype))[0]) for u in units]
+        columns = [_as_pairs(_jvp_at(eqn, invals, i, jnp.full(x_shape, u, x_aval.dtype), wrt)[0]) for u in units]
         pairs = tuple(k if x_shape and x_shape[k] == n else None for k, n in enumerate(shape))
         broadcast = len([j for j in range(len(x_shape)) if j not in pairs])  # size-1 axes of x
         val = jnp.stack(columns, axis=-1) if _is_complex(x_aval) else columns[0]
@@ -761,7 +781,7 @@ def _forward_rule_error(eqn, invals, wrt):
     for i in wrt:
         probe = jnp.zeros(_shape(invals[i]), jax.typeof(invals[i]).dtype)
         try:
-            jax.eval_shape(lambda t, i=i: _jvp_at(eqn, invals, i, t), probe)
+            jax.eval_shape(lambda t, i=i: _jvp_at(eqn, invals, i, t, wrt), probe)
         except Exception as e:  # noqa: BLE001 - any failure means no usable forward rule
             return e
     return None
@@ -790,7 +810,8 @@ def opaque(eqn, invals, outvals, wrt):
     joint = {k: JointPullback(lambda k=k: _vjp_of_output(eqn, invals, wrt, k),
                               jax.ShapeDtypeStruct(_shape(outvals[k]), jax.typeof(outvals[k]).dtype), total_in)
              for k in outs}
-    return [(i, k, replace(_linear_from_jvp(eqn, invals, outvals, i, k, selection=False, flops=n_out, opaque=True),
+    return [(i, k, replace(_linear_from_jvp(eqn, invals, outvals, i, k, selection=False, flops=n_out, opaque=True,
+                                            carrying=wrt),
                            joint=(joint[k], n)))
             for n, i in enumerate(wrt) for k in outs]
 

@@ -169,6 +169,9 @@ ANCHOR_CASES = {
     "pytree": (lambda p: {"a": p["w"] @ p["b"], "c": (p["b"].sum(), p["w"])}, ({"w": M, "b": X[:4]},)),
     "conv2d": (lambda k: lax.conv_general_dilated(M[None, None], k, (1, 1), "SAME"), (jnp.ones((2, 1, 2, 2)),)),
     "prod": (lambda m: jnp.prod(m, axis=1), (M,)),
+    # JAX's rule rejects a symbolic zero tangent for one operand: the other gets an explicit zero
+    "variadic reduce": (lambda m: lax.reduce((m, jnp.sin(m)), (-jnp.inf, 0.0),
+                                             lambda a, b: (jnp.maximum(a[0], b[0]), a[1] + b[1]), (1,)), (M,)),
 }
 
 
@@ -193,6 +196,24 @@ def test_argnums_has_aux_and_pytrees_match_jacrev_structure():
         got = jaxtool.jacve(f, argnums=argnums, has_aux=True)(*args)
         want = jax.jacrev(f, argnums=argnums, has_aux=True)(*args)
         assert_same_jacobian(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_python_scalars_not_differentiated_stay_python_values():
+    # as with jax.jacrev, fun may use them as sizes and in Python control flow, positional or keyword
+    def f(x, n, scale, square=True):
+        y = x ** n * jnp.ones(n).sum() * scale
+        return (y ** 2 if square else -y), {"n": n, "scale": scale}
+
+    for n, scale, square in ((3, 0.5, True), (2, 0.5, True), (2, 1.5, False), (3, 0.5, True)):
+        got, aux = jaxtool.jacve(f, has_aux=True)(X, n, scale, square=square)
+        want, want_aux = jax.jacrev(f, has_aux=True)(X, n, scale, square=square)
+        assert_same_jacobian(got, want, rtol=1e-5, atol=1e-6)
+        assert aux == want_aux == {"n": n, "scale": scale}
+    # a differentiated Python float is still traced; under jax.jit the scalars are whatever jit made them
+    got = jaxtool.jacve(lambda x, s: x * s, argnums=(0, 1))(X, 2.0)
+    assert_same_jacobian(got, jax.jacrev(lambda x, s: x * s, argnums=(0, 1))(X, 2.0), rtol=1e-6, atol=0)
+    jitted = jax.jit(jaxtool.jacve(lambda x, n: x ** n * jnp.ones(n).sum()), static_argnums=1)
+    np.testing.assert_allclose(jitted(X, 3), jax.jacrev(lambda x: x ** 3 * 3.0)(X), rtol=1e-5)
 
 
 def test_aux_leaves_that_are_not_arrays_pass_through():
