@@ -290,6 +290,20 @@ def test_x64_tightens_default_tolerances(capsys):
     assert "check passed (rtol 1e-10, atol 1e-10)" in out
 
 
+def test_a_narrower_float_inside_the_program_sets_the_default_tolerances(capsys):
+    # jax.jacrev rounds the cotangent of the float16 cast, jax.jacfwd and jaxtool do not: float16's
+    # tolerances apply, as they would had the program returned float16
+    x = np.linspace(0.3, 2.9, 6, dtype=np.float32)
+    fn = load_target(f"{FIXTURES}:half_inside", ()).fn
+    rounding = np.abs(np.asarray(jax.jacrev(fn)(x)) - np.asarray(jax.jacfwd(fn)(x))).max()
+    assert 1e-4 < rounding < 1e-2
+    code, out, err = jac(capsys, f"{FIXTURES}:half_inside", "f32[6]", "--check")
+    assert code == 0, err
+    assert "check passed (rtol 0.01, atol 0.01)" in out
+    code, out, _ = jac(capsys, f"{FIXTURES}:half_inside", "f32[6]", "--check", "--rtol", "1e-4", "--atol", "1e-5")
+    assert code == 1 and "check vs jax.jacfwd: max abs error 0," in out
+
+
 # ------------------------------------------------------------------------------------- errors
 
 

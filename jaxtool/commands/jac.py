@@ -199,7 +199,10 @@ def _check(traced, leaves, wrt, blocks, rtol, atol):
         raise UsageError("--check: no output has a derivative (all outputs are integer or boolean)")
     skipped = tuple(traced.out_names[i] for i in range(len(traced.out_avals)) if i not in outs)
     n = len(wrt)
-    itemsize = min(tangent_dtype(traced.out_avals[i]).itemsize for i in outs)  # complex64: float32's
+    # complex64: float32's; a program computing in a narrower float than it returns is checked at that
+    # float's tolerance (jax.jacrev rounds cotangents to it where jax.jacfwd and jaxtool do not)
+    itemsize = min([tangent_dtype(traced.out_avals[i]).itemsize for i in outs]
+                   + _computed_itemsizes(traced.closed_jaxpr.jaxpr))
     default_rtol, default_atol = DEFAULT_TOLERANCES.get(itemsize, DEFAULT_TOLERANCES[4])
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
@@ -229,6 +232,26 @@ def _check(traced, leaves, wrt, blocks, rtol, atol):
         reasons = "; ".join(f"{c.reference}: {c.unavailable}" for c in comparisons)
         raise UnsupportedError(f"--check: neither reference can differentiate this program ({reasons})")
     return check
+
+
+def _computed_itemsizes(jaxpr) -> list:
+    """The item sizes of the floating-point values ``jaxpr`` (and the jaxprs in it) computes; a
+    ``reduce_precision`` to at most float16's (float32's) mantissa counts as a float16 (float32)."""
+    import jax.numpy as jnp
+
+    from jaxtool.printing import subjaxprs
+
+    sizes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reduce_precision":
+            sizes.append(2 if eqn.params["mantissa_bits"] <= 10 else 4 if eqn.params["mantissa_bits"] <= 23 else 8)
+        for var in eqn.outvars:
+            dtype = getattr(var.aval, "dtype", None)
+            if dtype is not None and jnp.issubdtype(dtype, jnp.inexact):
+                sizes.append(jnp.finfo(dtype).bits // 8)
+        for _, _, sub in subjaxprs(eqn.params):
+            sizes += _computed_itemsizes(sub)
+    return sizes
 
 
 def _errors(ours, reference, rtol: float, atol: float):
