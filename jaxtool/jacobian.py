@@ -58,16 +58,19 @@ def _signature(args, kwargs) -> tuple:
     return tree, tuple((np.shape(x), jnp.result_type(x)) for x in leaves)
 
 
-def _is_python_scalar(x) -> bool:
-    return isinstance(x, (bool, int, float, complex)) and not hasattr(x, "dtype")
+#: Python scalars among the arguments not differentiated that the staged Jacobian takes as static:
+#: integers and booleans (sizes, counts, flags) always; floats once ``fun`` has needed them concrete
+INTEGERS = (bool, int)
+SCALARS = (bool, int, float, complex)
 
 
-def _split(args, kwargs, positions):
+def _split(args, kwargs, positions, kinds):
     """A call's arguments as (static, tree, dynamic) for the staged Jacobian.
 
-    Python scalars outside the differentiated arguments stay Python values (``static``: pairs of
-    flat leaf index and value), as ``jax.jacrev`` leaves them, so that ``fun`` may use them as
-    sizes or in Python control flow; every other leaf is traced (``dynamic``).
+    Python scalars of ``kinds`` outside the differentiated arguments stay Python values
+    (``static``: pairs of flat leaf index and value), as ``jax.jacrev`` leaves them, so that
+    ``fun`` may use them as sizes or in Python control flow; every other leaf is traced
+    (``dynamic``).
     """
     differentiated = {p % len(args) for p in positions} if args else set()
     flags = []
@@ -75,7 +78,8 @@ def _split(args, kwargs, positions):
         flags += [n not in differentiated] * len(jax.tree_util.tree_leaves(arg))
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     flags += [True] * (len(leaves) - len(flags))  # keyword arguments are never differentiated
-    static = tuple((n, x) for n, (x, outside) in enumerate(zip(leaves, flags)) if outside and _is_python_scalar(x))
+    static = tuple((n, x) for n, (x, outside) in enumerate(zip(leaves, flags))
+                   if outside and isinstance(x, kinds) and not hasattr(x, "dtype"))
     fixed = {n for n, _ in static}
     return static, tree, [x for n, x in enumerate(leaves) if n not in fixed]
 
@@ -99,11 +103,12 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     traced program, numbered as ``jaxtool show --vertices`` prints them.
 
     The computation is staged with ``jax.jit``, so repeated calls with the same argument types
-    reuse the traced elimination. Python scalars (``int``, ``float``, ``bool``) among the
-    arguments not differentiated are passed to ``fun`` as they are, as ``jax.jacrev`` passes them
-    (``fun`` may use them as sizes or in ``if``), and each new value of one is traced anew. It
-    composes with ``jax.jit``, ``jax.vmap``, ``jax.jacfwd``, ``jax.jacrev`` and with ``jacve``
-    itself.
+    reuse the traced elimination. Python integers and booleans among the arguments not
+    differentiated are passed to ``fun`` as they are, as ``jax.jacrev`` passes them (``fun`` may
+    use them as sizes or in ``if``), and each new value of one is traced anew; Python floats are
+    traced, unless ``fun`` needs one as a Python value (a ``ConcretizationTypeError``): from then
+    on they are passed as they are too. It composes with ``jax.jit``, ``jax.vmap``, ``jax.jacfwd``,
+    ``jax.jacrev`` and with ``jacve`` itself.
     """
     if isinstance(order, str):
         parse_order(order)  # fail early on a malformed name
@@ -140,12 +145,22 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
 
     staged = jax.jit(staged_parts, static_argnums=(0, 1))
 
+    kinds = [INTEGERS]  # SCALARS from the first call whose fun needs a Python float concrete
+
     @functools.wraps(fun)
     def jacobian_staged(*args, **kwargs):
         leaves = jax.tree_util.tree_leaves((args, kwargs))
         if all(_is_array(x) for x in leaves):
-            static, call_tree, dynamic = _split(args, kwargs, positions)
-            result, arrays = staged(static, call_tree, *dynamic)
+            static, call_tree, dynamic = _split(args, kwargs, positions, kinds[0])
+            try:
+                result, arrays = staged(static, call_tree, *dynamic)
+            except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+                retry = _split(args, kwargs, positions, SCALARS)
+                if kinds[0] is SCALARS or retry[0] == static:
+                    raise
+                static, call_tree, dynamic = retry
+                result, arrays = staged(static, call_tree, *dynamic)
+                kinds[0] = SCALARS
             if not has_aux:
                 return result
             return with_aux(result, arrays, *aux_layouts[static, _signature(args, kwargs)])

@@ -216,6 +216,28 @@ def test_python_scalars_not_differentiated_stay_python_values():
     np.testing.assert_allclose(jitted(X, 3), jax.jacrev(lambda x: x ** 3 * 3.0)(X), rtol=1e-5)
 
 
+def test_python_floats_not_differentiated_are_traced_until_fun_needs_them_concrete():
+    traces = []
+
+    def smooth(x, t):
+        traces.append(t)
+        return jnp.sin(x * t)
+
+    jacobian = jaxtool.jacve(smooth)
+    for t in (0.5, 0.7, 0.9):  # one trace for all three values
+        np.testing.assert_allclose(jacobian(X, t), jax.jacrev(smooth)(X, t), rtol=1e-5)
+    assert len([t for t in traces if isinstance(t, jax.core.Tracer)]) == 1  # the others: jax.jacrev's calls
+
+    def branching(x, t):
+        return jnp.sin(x) if t > 0.6 else jnp.cos(x) * t
+
+    jacobian = jaxtool.jacve(branching)
+    for t in (0.5, 0.7, 0.5):
+        np.testing.assert_allclose(jacobian(X, t), jax.jacrev(branching)(X, t), rtol=1e-5)
+    with pytest.raises(jax.errors.ConcretizationTypeError):  # a differentiated value in an `if` stays an error
+        jaxtool.jacve(lambda x: x if x.sum() > 0 else -x)(X)
+
+
 def test_aux_leaves_that_are_not_arrays_pass_through():
     # un-jitted jax.jacrev returns such aux leaves as they are; jacve does too, per argument shape
     f = lambda v: (v * 2, {"shape": str(v.shape), "sum": v.sum()})  # noqa: E731
