@@ -58,17 +58,18 @@ def _signature(args, kwargs) -> tuple:
     return tree, tuple((np.shape(x), jnp.result_type(x)) for x in leaves)
 
 
-#: Python scalars among the arguments not differentiated that the staged Jacobian takes as static:
-#: integers and booleans (sizes, counts, flags) always; floats once ``fun`` has needed them concrete
-INTEGERS = (bool, int)
-SCALARS = (bool, int, float, complex)
+#: Python and NumPy scalars among the arguments not differentiated that the staged Jacobian takes
+#: as static: integers and booleans (sizes, counts, flags) always; floats once ``fun`` has needed
+#: them concrete
+INTEGERS = (bool, int, np.integer, np.bool_)
+SCALARS = INTEGERS + (float, complex, np.inexact)
 
 
 def _split(args, kwargs, positions, kinds):
     """A call's arguments as (static, tree, dynamic) for the staged Jacobian.
 
-    Python scalars of ``kinds`` outside the differentiated arguments stay Python values
-    (``static``: pairs of flat leaf index and value), as ``jax.jacrev`` leaves them, so that
+    Python and NumPy scalars of ``kinds`` outside the differentiated arguments stay such values
+    (``static``: flat leaf index, type and value), as ``jax.jacrev`` leaves them, so that
     ``fun`` may use them as sizes or in Python control flow; every other leaf is traced
     (``dynamic``).
     """
@@ -78,15 +79,16 @@ def _split(args, kwargs, positions, kinds):
         flags += [n not in differentiated] * len(jax.tree_util.tree_leaves(arg))
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     flags += [True] * (len(leaves) - len(flags))  # keyword arguments are never differentiated
-    static = tuple((n, x) for n, (x, outside) in enumerate(zip(leaves, flags))
-                   if outside and isinstance(x, kinds) and not hasattr(x, "dtype"))
-    fixed = {n for n, _ in static}
+    # the type too: jax.jit's cache would take True, 1 and 1.0 for one another
+    static = tuple((n, type(x), x) for n, (x, outside) in enumerate(zip(leaves, flags))
+                   if outside and isinstance(x, kinds))
+    fixed = {n for n, _, _ in static}
     return static, tree, [x for n, x in enumerate(leaves) if n not in fixed]
 
 
 def _merge(static, tree, dynamic):
     """The ``(args, kwargs)`` that :func:`_split` split."""
-    values, dynamic = dict(static), iter(dynamic)
+    values, dynamic = {n: x for n, _, x in static}, iter(dynamic)
     leaves = [values[n] if n in values else next(dynamic) for n in range(tree.num_leaves)]
     return jax.tree_util.tree_unflatten(tree, leaves)
 
@@ -103,11 +105,11 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     traced program, numbered as ``jaxtool show --vertices`` prints them.
 
     The computation is staged with ``jax.jit``, so repeated calls with the same argument types
-    reuse the traced elimination. Python integers and booleans among the arguments not
-    differentiated are passed to ``fun`` as they are, as ``jax.jacrev`` passes them (``fun`` may
-    use them as sizes or in ``if``), and each new value of one is traced anew; Python floats are
-    traced, unless ``fun`` needs one as a Python value (a ``ConcretizationTypeError``): from then
-    on they are passed as they are too. It composes with ``jax.jit``, ``jax.vmap``, ``jax.jacfwd``,
+    reuse the traced elimination. Python and NumPy integer and boolean scalars among the
+    arguments not differentiated are passed to ``fun`` as they are, as ``jax.jacrev`` passes them
+    (``fun`` may use them as sizes or in ``if``), and each new value of one is traced anew; float
+    scalars are traced, unless ``fun`` needs one concrete (a ``ConcretizationTypeError``): from
+    then on they are passed as they are too. It composes with ``jax.jit``, ``jax.vmap``, ``jax.jacfwd``,
     ``jax.jacrev`` and with ``jacve`` itself.
     """
     if isinstance(order, str):

@@ -214,6 +214,14 @@ def test_python_scalars_not_differentiated_stay_python_values():
     assert_same_jacobian(got, jax.jacrev(lambda x, s: x * s, argnums=(0, 1))(X, 2.0), rtol=1e-6, atol=0)
     jitted = jax.jit(jaxtool.jacve(lambda x, n: x ** n * jnp.ones(n).sum()), static_argnums=1)
     np.testing.assert_allclose(jitted(X, 3), jax.jacrev(lambda x: x ** 3 * 3.0)(X), rtol=1e-5)
+    flagged = lambda x, k: x * 2 if k is True else x * 3  # noqa: E731 - True and 1 are two values here
+    jacobian = jaxtool.jacve(flagged)
+    np.testing.assert_allclose([jacobian(X, True)[0, 0], jacobian(X, 1)[0, 0]], [2.0, 3.0])
+    # NumPy scalars too (a NumPy array, even of rank 0, is traced as jax.jit traces it)
+    sized = lambda x, n: x ** 2 * jnp.ones(n).sum()  # noqa: E731
+    np.testing.assert_allclose(jaxtool.jacve(sized)(X, np.int64(4)), jax.jacrev(sized)(X, np.int64(4)), rtol=1e-6)
+    scaled = lambda x, k: x * k  # noqa: E731
+    np.testing.assert_allclose(jaxtool.jacve(scaled)(X, np.array(3.0)), 3 * np.eye(6), rtol=1e-6)
 
 
 def test_python_floats_not_differentiated_are_traced_until_fun_needs_them_concrete():
@@ -232,7 +240,7 @@ def test_python_floats_not_differentiated_are_traced_until_fun_needs_them_concre
         return jnp.sin(x) if t > 0.6 else jnp.cos(x) * t
 
     jacobian = jaxtool.jacve(branching)
-    for t in (0.5, 0.7, 0.5):
+    for t in (0.5, 0.7, np.float32(0.5)):
         np.testing.assert_allclose(jacobian(X, t), jax.jacrev(branching)(X, t), rtol=1e-5)
     with pytest.raises(jax.errors.ConcretizationTypeError):  # a differentiated value in an `if` stays an error
         jaxtool.jacve(lambda x: x if x.sum() > 0 else -x)(X)
