@@ -109,8 +109,8 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     arguments not differentiated are passed to ``fun`` as they are, as ``jax.jacrev`` passes them
     (``fun`` may use them as sizes or in ``if``), and each new value of one is traced anew; float
     scalars are traced, unless ``fun`` needs one concrete (a ``ConcretizationTypeError``): from
-    then on they are passed as they are too. It composes with ``jax.jit``, ``jax.vmap``, ``jax.jacfwd``,
-    ``jax.jacrev`` and with ``jacve`` itself.
+    then on they are passed as they are too. It composes with ``jax.jit``, ``jax.vmap``,
+    ``jax.jacfwd``, ``jax.jacrev`` and with ``jacve`` itself.
     """
     if isinstance(order, str):
         parse_order(order)  # fail early on a malformed name

@@ -93,30 +93,26 @@ def _jvp_at(eqn, invals, i, t, carrying=()):
     the others, constants, stay symbolic, as in ``jax.jacfwd``. A few rules reject symbolic zeros
     altogether (``custom_linear_solve``); those get explicit zero tangents for every input.
     """
-    def of_input_i(x):
-        return bind(eqn, *invals[:i], x, *invals[i + 1:])
+    others = [j for j in range(len(invals)) if j != i]
+    carried = [j for j in carrying if j != i]
+    # the inputs given explicit zero tangents, attempt by attempt (none: all symbolic)
+    attempts = [[]] + ([carried] if carried and carried != others else []) + ([others] if others else [])
+    for n, zeros in enumerate(attempts):
+        positions = [i] + zeros
 
-    try:
-        _, out = jax.jvp(of_input_i, (invals[i],), (t,))
-    except TypeError:
-        explicit = [j for j in carrying if j != i]
-        attempts = ([explicit] if explicit else []) + [[j for j in range(len(invals)) if j != i]]
-        for n, zeros in enumerate(attempts):
-            positions = [i] + zeros
+        def of_inputs(*xs, positions=positions):
+            full = list(invals)
+            for j, x in zip(positions, xs):
+                full[j] = x
+            return bind(eqn, *full)
 
-            def of_inputs(*xs, positions=positions):
-                full = list(invals)
-                for j, x in zip(positions, xs):
-                    full[j] = x
-                return bind(eqn, *full)
-
-            tangents = [t] + [_zero_tangent(invals[j]) for j in zeros]
-            try:
-                _, out = jax.jvp(of_inputs, tuple(invals[j] for j in positions), tuple(tangents))
-                break
-            except (TypeError, NotImplementedError):
-                if n == len(attempts) - 1:
-                    raise
+        tangents = (t, *(_zero_tangent(invals[j]) for j in zeros))
+        try:
+            _, out = jax.jvp(of_inputs, tuple(invals[j] for j in positions), tangents)
+            break
+        except (TypeError, NotImplementedError) as error:
+            if n == len(attempts) - 1 or (n == 0 and not isinstance(error, TypeError)):
+                raise
     return out if eqn.primitive.multiple_results else (out,)
 
 
