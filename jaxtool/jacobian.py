@@ -23,33 +23,53 @@ def _is_array(x) -> bool:
     return hasattr(x, "dtype") or isinstance(x, (bool, int, float, complex))
 
 
-def _trace(fun, args, kwargs, positions, has_aux):
-    """Trace ``fun`` as a function of the flat leaves of ``args[positions]``.
+def _differentiated_leaves(args, positions) -> list:
+    """The indices of the leaves of ``args[positions]`` among the flat leaves of ``(args, kwargs)``,
+    in the order of ``positions``."""
+    first = np.cumsum([0] + [len(jax.tree_util.tree_leaves(arg)) for arg in args])
+    return [n for p in positions for n in range(first[p % len(args)], first[p % len(args) + 1])]
 
-    Returns the flat program, the differentiated leaves, their tree, the output and aux trees,
-    and the aux leaves that are not arrays (Python scalars, strings, objects: ``{position: value}``),
-    which are returned as they are, as ``jax.jacrev`` returns them, instead of being program outputs.
+
+def _trace(fun, args, kwargs, positions, has_aux, static_kinds):
+    """Trace ``fun`` at ``args`` and ``kwargs``, differentiated with respect to ``args[positions]``.
+
+    Every array leaf is an input of the traced program, differentiated or not, whether the call
+    is staged under ``jax.jit`` or eager: the program, and so the numbering of its vertices that a
+    custom order refers to, is the same in every context (as ``jaxtool show --vertices`` prints
+    it). Scalars of ``static_kinds`` outside the differentiated arguments (see :func:`_split`) and
+    leaves that are not arrays at all are constants of the program.
+
+    Returns the flat program, its input values, the positions among them of the differentiated
+    leaves, the tree of the differentiated arguments, the output and aux trees, and the aux
+    leaves that are not arrays (Python scalars, strings, objects: ``{position: value}``), which
+    are returned as they are, as ``jax.jacrev`` returns them, instead of being program outputs.
     """
     for p in positions:
         if not -len(args) <= p < len(args):
             raise ValueError(f"argnums {p} out of range for {len(args)} positional arguments")
-    leaves, dyn_tree = jax.tree_util.tree_flatten(tuple(args[p] for p in positions))
-    leaves = [jnp.asarray(x) for x in leaves]
+    leaves, call_tree = jax.tree_util.tree_flatten((args, kwargs))
+    in_order = _differentiated_leaves(args, positions)
+    chosen = set(in_order)
+    traced = [n for n, x in enumerate(leaves) if n in chosen or (_is_array(x) and not isinstance(x, static_kinds))]
+    values = [jnp.asarray(leaves[n]) for n in traced]
+    wrt = [traced.index(n) for n in in_order]  # in the order of ``positions``, as jax.jacrev's blocks
+    dyn_tree = jax.tree_util.tree_structure(tuple(args[p] for p in positions))
     trees = {}
 
     def flat_fun(*flat):
-        full = list(args)
-        for p, value in zip(positions, jax.tree_util.tree_unflatten(dyn_tree, flat)):
-            full[p] = value
-        result = fun(*full, **kwargs)
+        full = list(leaves)
+        for n, value in zip(traced, flat):
+            full[n] = value
+        call_args, call_kwargs = jax.tree_util.tree_unflatten(call_tree, full)
+        result = fun(*call_args, **call_kwargs)
         out, aux = result if has_aux else (result, None)
         out_leaves, trees["out"] = jax.tree_util.tree_flatten(out)
         aux_leaves, trees["aux"] = jax.tree_util.tree_flatten(aux)
         trees["static"] = {n: leaf for n, leaf in enumerate(aux_leaves) if not hasattr(leaf, "dtype")}
         return list(out_leaves) + [leaf for n, leaf in enumerate(aux_leaves) if n not in trees["static"]]
 
-    program = flatten(jax.make_jaxpr(flat_fun)(*leaves))
-    return program, leaves, dyn_tree, trees["out"], trees["aux"], trees["static"]
+    program = flatten(jax.make_jaxpr(flat_fun)(*values))
+    return program, values, wrt, dyn_tree, trees["out"], trees["aux"], trees["static"]
 
 
 def _signature(args, kwargs) -> tuple:
@@ -73,15 +93,10 @@ def _split(args, kwargs, positions, kinds):
     ``fun`` may use them as sizes or in Python control flow; every other leaf is traced
     (``dynamic``).
     """
-    differentiated = {p % len(args) for p in positions} if args else set()
-    flags = []
-    for n, arg in enumerate(args):
-        flags += [n not in differentiated] * len(jax.tree_util.tree_leaves(arg))
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-    flags += [True] * (len(leaves) - len(flags))  # keyword arguments are never differentiated
+    differentiated = set(_differentiated_leaves(args, positions)) if args else set()
     # the type too: jax.jit's cache would take True, 1 and 1.0 for one another
-    static = tuple((n, type(x), x) for n, (x, outside) in enumerate(zip(leaves, flags))
-                   if outside and isinstance(x, kinds))
+    static = tuple((n, type(x), x) for n, x in enumerate(leaves) if n not in differentiated and isinstance(x, kinds))
     fixed = {n for n, _, _ in static}
     return static, tree, [x for n, x in enumerate(leaves) if n not in fixed]
 
@@ -116,14 +131,17 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
         parse_order(order)  # fail early on a malformed name
     positions = _positions(argnums)
 
-    def parts(*args, **kwargs):
+    def parts(kinds, *args, **kwargs):
         """The Jacobian, the aux leaves that are arrays, the aux tree and the other aux leaves."""
-        program, leaves, dyn_tree, out_tree, aux_tree, static = _trace(fun, args, kwargs, positions, has_aux)
-        problem = build(program, leaves, range(len(leaves)))
+        program, values, wrt, dyn_tree, out_tree, aux_tree, static = _trace(fun, args, kwargs, positions, has_aux,
+                                                                          kinds)
+        problem = build(program, values, wrt)
         run(problem, resolve_order(order, problem))
         n_out = out_tree.num_leaves
-        # jax.jacrev's layout: outer structure of the output, inner structure of the inputs
-        inner = [jax.tree_util.tree_unflatten(dyn_tree, row) for row in blocks(problem)[:n_out]]
+        # jax.jacrev's layout: outer structure of the output, inner structure of the inputs (blocks
+        # come in input order, jax.jacrev's in argnums order)
+        columns = [problem.wrt.index(k) for k in wrt]
+        inner = [jax.tree_util.tree_unflatten(dyn_tree, [row[c] for c in columns]) for row in blocks(problem)[:n_out]]
         if isinstance(argnums, int):
             inner = [i[0] for i in inner]
         return jax.tree_util.tree_unflatten(out_tree, inner), list(problem.out_values[n_out:]), aux_tree, static
@@ -138,35 +156,40 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     # aux leaves that are not arrays cannot leave jax.jit: kept per call signature, as traced
     aux_layouts = {}
 
-    def staged_parts(static, call_tree, *dynamic):
+    def staged_parts(kinds, static, call_tree, *dynamic):
         args, kwargs = _merge(static, call_tree, dynamic)
-        result, arrays, aux_tree, static_aux = parts(*args, **kwargs)
+        result, arrays, aux_tree, static_aux = parts(kinds, *args, **kwargs)
         if has_aux:
             aux_layouts[static, _signature(args, kwargs)] = (aux_tree, static_aux)
         return result, arrays
 
-    staged = jax.jit(staged_parts, static_argnums=(0, 1))
+    staged = jax.jit(staged_parts, static_argnums=(0, 1, 2))
+    kinds = [INTEGERS]  # SCALARS from the first call whose fun needs a float scalar concrete
 
-    kinds = [INTEGERS]  # SCALARS from the first call whose fun needs a Python float concrete
+    def with_kinds(call):
+        try:
+            return call(kinds[0])
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+            if kinds[0] is SCALARS:
+                raise
+            result = call(SCALARS)  # raises again where a differentiated value is what fun needs concrete
+            kinds[0] = SCALARS
+            return result
 
     @functools.wraps(fun)
     def jacobian_staged(*args, **kwargs):
         leaves = jax.tree_util.tree_leaves((args, kwargs))
-        if all(_is_array(x) for x in leaves):
-            static, call_tree, dynamic = _split(args, kwargs, positions, kinds[0])
-            try:
-                result, arrays = staged(static, call_tree, *dynamic)
-            except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
-                retry = _split(args, kwargs, positions, SCALARS)
-                if kinds[0] is SCALARS or retry[0] == static:
-                    raise
-                static, call_tree, dynamic = retry
-                result, arrays = staged(static, call_tree, *dynamic)
-                kinds[0] = SCALARS
-            if not has_aux:
-                return result
-            return with_aux(result, arrays, *aux_layouts[static, _signature(args, kwargs)])
-        return with_aux(*parts(*args, **kwargs))  # non-array arguments cannot be staged
+        if not all(_is_array(x) for x in leaves):  # non-array arguments cannot be staged
+            return with_aux(*with_kinds(lambda k: parts(k, *args, **kwargs)))
+
+        def staged_call(k):
+            static, call_tree, dynamic = _split(args, kwargs, positions, k)
+            return staged(k, static, call_tree, *dynamic), static
+
+        (result, arrays), static = with_kinds(staged_call)
+        if not has_aux:
+            return result
+        return with_aux(result, arrays, *aux_layouts[static, _signature(args, kwargs)])
 
     return jacobian_staged
 
@@ -177,5 +200,5 @@ def trace_problem(fun, *args, argnums=0) -> Problem:
     ``problem.eliminable`` lists the vertices a custom order must permute;
     ``jaxtool.elimination.run(problem.plan(), order)`` costs an order without computing values.
     """
-    program, leaves, *_ = _trace(fun, args, {}, _positions(argnums), False)
-    return build(program, leaves, range(len(leaves)))
+    program, values, wrt, *_ = _trace(fun, args, {}, _positions(argnums), False, INTEGERS)
+    return build(program, values, wrt)
