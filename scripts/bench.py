@@ -132,8 +132,8 @@ Every jacve Jacobian is checked against `jax.jacrev`'s (last column of the opera
   batched; the points are the example point times `1 + 0.01 * N(0, 1)` noise, seed 0), with Cb
   calls per round, or fewer (at least one) for a competitor whose Cb calls would take over 0.25 s.
 - *First call*: trace + compile + run of a fresh function object (a new `jax.jit` of a new
-  `jacfwd`/`jacrev`/`jacve` object) right after `jax.clear_caches()` (and clearing jaxtool's cached
-  product and sum plans); median of F repetitions. For jacve this includes building the graph of
+  `jacfwd`/`jacrev`/`jacve` object) right after `jax.clear_caches()` (and `jaxtool.jacobian.clear_caches()`:
+  the staged Jacobians jacve objects of one function share, and the cached product and sum plans); median of F repetitions. For jacve this includes building the graph of
   partials and choosing the order.
 - *Ratio* = best jacve order / min(`jax.jacfwd`, `jax.jacrev`) (first call: each jacve order /
   `jax.jacrev`); <= 1.00 means jaxtool is no slower. "geo. mean" is the geometric mean over programs.
@@ -275,7 +275,7 @@ def time_first_calls(makers: dict, args, repetitions: int):
     Jacobian each one returned (last repetition)."""
     import jax
 
-    from jaxtool.partials import clear_plan_caches
+    from jaxtool.jacobian import clear_caches
 
     names = list(makers)
     samples = {name: [] for name in names}
@@ -284,7 +284,7 @@ def time_first_calls(makers: dict, args, repetitions: int):
         k = r % len(names)
         for name in names[k:] + names[:k]:
             jax.clear_caches()
-            clear_plan_caches()
+            clear_caches()
             start = time.perf_counter()
             outputs[name] = jax.block_until_ready(jax.jit(makers[name]())(*args))
             samples[name].append(time.perf_counter() - start)

@@ -132,6 +132,7 @@ ANCHOR_CASES = {
     "cumsum reverse": (lambda m: lax.cumsum(m, axis=1, reverse=True), (M,)),
     # of 5 elements: jax.jit(jax.jacrev(...)) gives all ones on jax 0.10.2 (XLA:CPU); eager jacrev is right
     "slice of a reverse cumsum": (lambda x: lax.cumsum(x, reverse=True)[2:3], (X[:5],)),
+    "element of a cumsum": (lambda x: jnp.cumsum(x)[2], (X[:5],)),  # jit(jacrev): all ones, as above
     "cumprod": (lambda m: jnp.cumprod(m, axis=0), (M,)),
     "cummax": (lambda m: lax.cummax(m, axis=1), (M,)),
     "pad": (lambda x: jnp.pad(x, (2, 1)), (X,)),
@@ -694,13 +695,60 @@ def test_division_by_a_scalar_stores_one_value():
                                rtol=1e-6)
 
 
-def test_clearing_the_plan_caches():
-    from jaxtool.partials import _product_plan, clear_plan_caches
+def test_clearing_the_caches():
+    from jaxtool.jacobian import _SHARED, clear_caches
+    from jaxtool.partials import _product_plan
 
-    jaxtool.jacve(lambda x: jnp.sin(x) * x)(X)
-    assert _product_plan.cache_info().currsize > 0
-    clear_plan_caches()
-    assert _product_plan.cache_info().currsize == 0
+    def f(x):
+        return jnp.sin(x) * x
+
+    jaxtool.jacve(f)(X)
+    assert _product_plan.cache_info().currsize > 0 and f in _SHARED
+    clear_caches()
+    assert _product_plan.cache_info().currsize == 0 and f not in _SHARED
+
+
+def test_a_new_jacve_of_the_same_function_reuses_its_staged_jacobian():
+    traces = []
+
+    def f(x, scale, tag):
+        traces.append(1)
+        return jnp.sin(x) * x * scale, {"tag": tag, "sum": jnp.sum(x)}
+
+    for _ in range(3):  # jacve(f)(x) written inside a loop: traced once, non-array aux included
+        jac, aux = jaxtool.jacve(f, has_aux=True)(X, 2.0, 7)
+        assert aux["tag"] == 7 and type(aux["tag"]) is int
+    assert len(traces) == 1
+    jaxtool.jacve(f, order="fwd", has_aux=True)(X, 2.0, 7)  # another order: a Jacobian of its own
+    jac1 = jaxtool.jacve(f, argnums=(0, 1), has_aux=True)(X, 2.0, 7)[0]  # other argnums too
+    assert len(traces) == 3
+    ref, _ = jax.jacrev(f, has_aux=True)(X, 2.0, 7)
+    ref1, _ = jax.jacrev(f, argnums=(0, 1), has_aux=True)(X, 2.0, 7)
+    np.testing.assert_allclose(jac, ref, rtol=1e-6)
+    for block, expected in zip(jac1, ref1):
+        np.testing.assert_allclose(block, expected, rtol=1e-6)
+
+
+def test_the_shared_jacobians_do_not_keep_a_function_alive():
+    import gc
+    import weakref
+
+    from jaxtool.jacobian import _SHARED
+
+    def make():
+        scale = np.full(X.shape, 3.0, np.float32)  # a large closed-over constant would be kept too
+        return lambda x: jnp.sin(x) * scale
+
+    f = make()
+    jacobian = jaxtool.jacve(f)
+    np.testing.assert_allclose(jacobian(X), jax.jacrev(f)(X), rtol=1e-6)
+    gone = weakref.ref(f)
+    del f
+    gc.collect()
+    assert gone() is not None  # the jacve function still refers to it
+    del jacobian
+    gc.collect()
+    assert gone() is None and len([k for k in _SHARED.keys() if k is gone()]) == 0
 
 
 # --- operation counts, derived by hand
