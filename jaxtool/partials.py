@@ -241,6 +241,10 @@ class Linear(Partial):
     index: Optional[np.ndarray] = field(default=None, compare=False)
     #: for a sum of scaled selections with known indices: those selections (``fn`` is their sum)
     parts: tuple = field(default=(), compare=False)
+    #: for such a sum whose parts' scales were computed together: their full scales, flat, in the
+    #: order of the parts (``len(parts) * n_out``), so that products and densification read them
+    #: at once instead of stacking the parts' scales again
+    stacked: Optional[jax.Array] = field(default=None, compare=False)
     #: for one partial of an opaque equation: ``(pullbacks, i)``, the equation's :class:`JointPullback`
     #: for this output and this partial's input position, so that one VJP serves all its inputs
     joint: Optional[tuple] = field(default=None, compare=False)
@@ -256,7 +260,7 @@ class Linear(Partial):
     def plan(self) -> "Linear":
         if self.abstract and self.scale is None:
             return self
-        return replace(self, fn=None, fn_t=None, scale=None, parts=tuple(p.plan() for p in self.parts))
+        return replace(self, fn=None, fn_t=None, scale=None, stacked=None, parts=tuple(p.plan() for p in self.parts))
 
     def _in_struct(self):
         return jax.ShapeDtypeStruct(self.in_shape, self.dtype)
@@ -319,7 +323,7 @@ class Linear(Partial):
         if self.parts or self.index is not None:
             parts = self.parts or (self,)
             if n_out * n_in > SMALL_DENSE:
-                return _parts_to_dense(parts, self.shape, self.dtype)
+                return _parts_to_dense(parts, self.shape, self.dtype, self.stacked)
             # small: 0/1 patterns known while tracing, scaled and added (fused by XLA; no scatter)
             return functools.reduce(lax.add, [cast(p._pattern_dense(), self.dtype) for p in parts])
         use_forward = n_in <= n_out if (self.fn is not None and self.fn_t is not None) else self.fn is not None
@@ -959,7 +963,10 @@ def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
     cost = Cost(0, n_out)
     xs, ys = _selections(x), _selections(y)
     if xs and ys:
-        summed = sum_of_selections(xs + ys, dtype)
+        scales = None
+        if x.stacked is not None or y.stacked is not None:  # the parts' scales as they are stacked
+            scales = lambda: jnp.concatenate([_stacked_scales(x, xs, dtype), _stacked_scales(y, ys, dtype)])  # noqa: E731
+        summed = sum_of_selections(xs + ys, dtype, scales)
         if summed is not None:
             return summed, cost
     result = Linear(x.out_shape, x.in_shape, dtype, selection=False,
@@ -999,25 +1006,34 @@ def _selections(x: Linear) -> Optional[tuple]:
     return (x,) if x.index is not None else None
 
 
-def sum_of_selections(terms, dtype) -> Optional[Linear]:
+def sum_of_selections(terms, dtype, scales_of_terms: Optional[Callable] = None) -> Optional[Linear]:
     """The sum of scaled selections with known indices: those with equal indices merged (scales
     added), then re-cut into the fewest selections where fewer suffice (:func:`_fewest_selections`):
-    one selection, or a Linear with them as its parts; None if more than :data:`MAX_PARTS` remain."""
+    one selection, or a Linear with them as its parts; None if more than :data:`MAX_PARTS` remain.
+    ``scales_of_terms()``, where given, traces the full scales of ``terms``, flat, in order."""
     merged = []
     for term in terms:
         for n, kept in enumerate(merged):
             if np.array_equal(kept.index, term.index):
                 merged[n] = _same_selection_add(kept, term, dtype)
+                scales_of_terms = None  # no longer in the order of the terms
                 break
         else:
             merged.append(term)
+    stacked = None
     if len(merged) > 1:
-        merged = _fewest_selections(merged, dtype)
-    if merged is None:
-        return None
+        cut = _fewest_selections(merged, dtype, scales_of_terms)
+        if cut is None:
+            return None
+        merged, stacked = cut
     if len(merged) == 1:
         return merged[0]
-    parts = tuple(merged)
+    return _sum_of_parts(tuple(merged), dtype, stacked)
+
+
+def _sum_of_parts(parts: tuple, dtype, stacked=None) -> Linear:
+    """The Linear that is the sum of ``parts`` (scaled selections with known indices), with their
+    ``stacked`` scales where they were computed together."""
     n_out = _size(parts[0].out_shape)
     result = Linear(parts[0].out_shape, parts[0].in_shape, dtype, parts=parts,
                     flops=sum(p.flops + (n_out if p.has_scale else 0) for p in parts))
@@ -1025,7 +1041,7 @@ def sum_of_selections(terms, dtype) -> Optional[Linear]:
         return result
     fn = lambda t: functools.reduce(lax.add, [cast(p.apply(t), dtype) for p in parts])  # noqa: E731
     fn_t = lambda c: functools.reduce(lax.add, [cast(p.apply_t(c), dtype) for p in parts])  # noqa: E731
-    return replace(result, fn=fn, fn_t=fn_t)
+    return replace(result, fn=fn, fn_t=fn_t, stacked=stacked)
 
 
 def selection_from_index(out_shape, in_shape, index: np.ndarray, dtype) -> Linear:
@@ -1048,13 +1064,15 @@ def selection_from_index(out_shape, in_shape, index: np.ndarray, dtype) -> Linea
     return Linear(out_shape, in_shape, np.dtype(dtype), fn=fn, fn_t=fn_t, selection=True, index=index)
 
 
-def _fewest_selections(terms, dtype) -> Optional[list]:
+def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None) -> Optional[tuple]:
     """Scaled selections with known indices (no two equal) re-cut into the fewest whose sum is the
     same map: the k-th entry of each output element (ordered by input element) goes to the k-th
     selection, entries that several terms share added. That is as many as any output element has
     entries (a band of shifts: its width, however the terms were cut, e.g. by ``jnp.roll``'s
     slices), and the same cut for the same pattern, so later sums merge them again. ``terms``
-    themselves where they are already that few; None if more than :data:`MAX_PARTS` are needed."""
+    themselves where they are already that few; None if more than :data:`MAX_PARTS` are needed.
+    Returns ``(selections, stacked)``, ``stacked`` their scales computed together (see
+    :attr:`Linear.stacked`) or None. ``scales_of_terms()``: see :func:`sum_of_selections`."""
     out_shape, in_shape = terms[0].out_shape, terms[0].in_shape
     n_out, n_in = _size(out_shape), _size(in_shape)
     index = np.stack([t.index.reshape(-1) for t in terms])
@@ -1066,17 +1084,22 @@ def _fewest_selections(terms, dtype) -> Optional[list]:
     if count > MAX_PARTS:
         return None
     if count >= len(terms):
-        return list(terms)
+        return list(terms), None
     cut = np.full((count, n_out), -1)
     cut[rank, entry_rows] = entries % n_in
     parts = [selection_from_index(out_shape, in_shape, cut[k].reshape(out_shape), dtype) for k in range(count)]
     if not any(t.has_scale for t in terms) and len(entries) == len(term):
-        return [p.plan() for p in parts] if any(t.abstract for t in terms) else parts
+        return ([p.plan() for p in parts] if any(t.abstract for t in terms) else parts), None
     if any(t.abstract for t in terms):
-        return [replace(p.plan(), has_scale=True) for p in parts]
+        return [replace(p.plan(), has_scale=True) for p in parts], None
     # each entry's scale into its place (rank, row) of the stacked scales of the new selections
     place = rank[slot.reshape(-1)] * n_out + row
-    scales = jnp.stack([_full_scale(t, dtype).reshape(-1) for t in terms])[term, row]
+    if scales_of_terms is None:
+        scales = jnp.concatenate([cast(_full_scale(t, dtype), dtype).reshape(-1) for t in terms])
+    else:
+        scales = cast(scales_of_terms(), dtype)
+    if len(term) < index.size:  # some terms select nothing for some output elements
+        scales = _take(scales, term * n_out + row, axis=0)
     if len(entries) == len(term):  # every place filled once: a gather
         source = np.full(count * n_out, -1)
         source[place] = np.arange(len(term))
@@ -1084,7 +1107,7 @@ def _fewest_selections(terms, dtype) -> Optional[list]:
     else:
         stacked = jnp.zeros(count * n_out, dtype).at[place].add(scales)
     scales = lax.split(stacked, (n_out,) * count)  # one equation, not a slice and a squeeze per part
-    return [replace(p, has_scale=True, scale=reshaped(s, out_shape)) for s, p in zip(scales, parts)]
+    return [replace(p, has_scale=True, scale=reshaped(s, out_shape)) for s, p in zip(scales, parts)], stacked
 
 
 def _same_selection_add(x: Linear, y: Linear, dtype) -> Linear:
@@ -1139,20 +1162,29 @@ def _distributed(b: Partial, a: Partial) -> Optional[tuple]:
     b_terms, a_terms = terms(b), terms(a)
     if b_terms is None or a_terms is None:
         return None
+    selection_like = all(isinstance(t, Linear) or t.is_permuted_diag for t in b_terms + a_terms)
+    concrete = not (selection_like and len(b_terms) * len(a_terms) > 1)
     total, products = Cost(), []
     for tb in b_terms:
         for ta in a_terms:
-            product, cost = matmul(tb, ta)
+            # every pair's own product where it is traced below; else its plan (values at once below)
+            product, cost = matmul(tb, ta) if concrete else matmul(tb.plan(), ta.plan())
             total += cost
             products.append(product)
     adds = Cost(0, (len(products) - 1) * _size(b.out_shape))  # one addition per element per sum
     selections = [_selections(p) if isinstance(p, Linear) else None for p in products]
     if len(products) > 1 and all(selections):
         # merged at once, not one sum at a time (each re-cutting its parts): the same sum and count
-        summed = sum_of_selections([s for some in selections for s in some],
-                                   np.result_type(*[p.dtype for p in products]))
+        dtype = np.result_type(*[p.dtype for p in products])
+        summed = sum_of_selections([s for some in selections for s in some], dtype)
         if summed is not None:
-            return summed, total + adds
+            if concrete or a.abstract or b.abstract:
+                return summed, total + adds
+            valued = _selection_products(b, a, b_terms, a_terms, summed, dtype)
+            if valued is not None:
+                return valued, total + adds
+    if not concrete:  # a structure the values at once do not fill: every pair's product traced
+        return _distributed_by_pairs(b_terms, a_terms)
     result = products[0]
     for product in products[1:]:
         result, cost = add(result, product)
@@ -1160,18 +1192,92 @@ def _distributed(b: Partial, a: Partial) -> Optional[tuple]:
     return result, total
 
 
-def _parts_to_dense(parts, shape, dtype):
+def _distributed_by_pairs(b_terms, a_terms) -> tuple:
+    """The sum of the products of every pair of terms, one product and one sum at a time."""
+    total, result = Cost(), None
+    for tb in b_terms:
+        for ta in a_terms:
+            product, cost = matmul(tb, ta)
+            total += cost
+            if result is not None:
+                product, cost = add(result, product)
+                total += cost
+            result = product
+    return result, total
+
+
+def _as_selection(x: Partial) -> Linear:
+    return _diag_as_selection(x) if isinstance(x, Sparse) else x
+
+
+def _selection_products(b, a, b_terms, a_terms, summed: Linear, dtype) -> Optional[Linear]:
+    """The values of ``summed``, the planned sum of the products of every pair of scaled selections
+    (or permuted diagonals) ``b_terms[i] o a_terms[j]``, traced at once: one gather of the stacked
+    scales of ``a_terms`` for all pairs, one product, one scatter (or gather) into the parts of
+    ``summed``. (Pair by pair, ten steps of a stencil of 21 shifts traced 3000 equations, and XLA:CPU
+    compiled as many kernels.) None where ``summed``'s parts mix scaled and unscaled ones."""
+    bs, as_ = [_as_selection(t) for t in b_terms], [_as_selection(t) for t in a_terms]
+    parts = summed.parts or (summed,)
+    scaled = {p.has_scale for p in parts}
+    if len(scaled) > 1:
+        return None
+    out_shape, in_shape = tuple(summed.out_shape), tuple(summed.in_shape)
+    n_out, n_mid, n_in = _size(out_shape), _size(bs[0].in_shape), _size(in_shape)
+    values, stacked = [], None
+    if scaled == {True}:
+        b_index = np.stack([t.index.reshape(-1) for t in bs])  # (k_b, n_out), into the middle
+        a_index = np.stack([t.index.reshape(-1) for t in as_])  # (k_a, n_mid), into the input
+        k_b, k_a = len(bs), len(as_)
+        middle = np.broadcast_to(b_index[:, None, :], (k_b, k_a, n_out))
+        read = np.arange(k_a)[None, :, None] * n_mid + np.maximum(middle, 0)  # into stacked a scales
+        entry = np.where(middle >= 0, a_index[np.arange(k_a)[None, :, None], np.maximum(middle, 0)], -1)
+        term, row = np.nonzero(entry.reshape(k_b * k_a, n_out) >= 0)
+        if not len(term):
+            return None
+        a_scales, b_scales = _stacked_scales(a, as_, dtype), _stacked_scales(b, bs, dtype)
+        flat_read = read.reshape(-1)[term * n_out + row]
+        scales = _take(a_scales, flat_read, axis=0) * _take(b_scales, (term // k_a) * n_out + row, axis=0)
+        # each entry's place: the first part of ``summed`` holding its (row, input) pair
+        index = np.stack([p.index.reshape(-1) for p in parts])
+        slot_part, slot_row = np.nonzero(index >= 0)
+        slot_key = slot_row * n_in + index[slot_part, slot_row]
+        by_key = np.argsort(slot_key, kind="stable")
+        keys = (row * n_in + entry.reshape(k_b * k_a, n_out)[term, row])
+        found = np.searchsorted(slot_key[by_key], keys)
+        if np.any(found >= len(by_key)) or not np.array_equal(slot_key[by_key][np.minimum(found, len(by_key) - 1)], keys):
+            return None
+        place = (slot_part * n_out + slot_row)[by_key][found]
+        if len(np.unique(place)) == len(place):
+            source = np.full(len(parts) * n_out, -1)
+            source[place] = np.arange(len(place))
+            stacked = _take_or_zero(scales, source, axis=0)
+        else:
+            stacked = jnp.zeros(len(parts) * n_out, dtype).at[place].add(scales)
+        values = lax.split(stacked, (n_out,) * len(parts)) if len(parts) > 1 else [stacked]
+    built = []
+    for k, p in enumerate(parts):  # each planned part with its map (and scale)
+        selection = selection_from_index(out_shape, in_shape, p.index, dtype)
+        built.append(replace(p, fn=selection.fn, fn_t=selection.fn_t,
+                             scale=reshaped(values[k], out_shape) if values else None))
+    return built[0] if len(built) == 1 else _sum_of_parts(tuple(built), dtype, stacked)
+
+
+def _stacked_scales(x: Partial, terms, dtype):
+    """The full scales of ``terms`` (``x``'s parts, or ``x`` as one selection), flat, in order."""
+    if isinstance(x, Linear) and x.stacked is not None:
+        return cast(x.stacked, dtype)
+    return jnp.concatenate([cast(_full_scale(t, dtype), dtype).reshape(-1) for t in terms])
+
+
+def _parts_to_dense(parts, shape, dtype, stacked=None):
     """The dense block of a sum of scaled selections: their entries scattered into zeros (no
-    output element reads the scales more than once)."""
-    rows, columns, values = [], [], []
-    for p in parts:
-        index = p.index.reshape(-1)
-        picked = np.flatnonzero(index >= 0)
-        rows.append(picked)
-        columns.append(index[picked])
-        scale = _full_scale(p, dtype).reshape(-1)
-        values.append(scale if len(picked) == len(index) else scale[picked])
-    dense = jnp.zeros((_size(parts[0].out_shape), _size(parts[0].in_shape)), dtype)
-    dense = dense.at[np.concatenate(rows), np.concatenate(columns)].add(jnp.concatenate(values),
-                                                                         mode="promise_in_bounds")
+    output element reads the scales more than once), their scales read from ``stacked`` if given."""
+    n_out = _size(parts[0].out_shape)
+    index = np.stack([p.index.reshape(-1) for p in parts])
+    part, row = np.nonzero(index >= 0)
+    if stacked is None:
+        stacked = jnp.concatenate([cast(_full_scale(p, dtype), dtype).reshape(-1) for p in parts])
+    values = stacked if len(part) == index.size else _take(stacked, part * n_out + row, axis=0)
+    dense = jnp.zeros((n_out, _size(parts[0].in_shape)), dtype)
+    dense = dense.at[row, index[part, row]].add(cast(values, dtype), mode="promise_in_bounds")
     return dense.reshape(shape)
