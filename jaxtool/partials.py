@@ -1164,13 +1164,8 @@ def _distributed(b: Partial, a: Partial) -> Optional[tuple]:
         return None
     selection_like = all(isinstance(t, Linear) or t.is_permuted_diag for t in b_terms + a_terms)
     concrete = not (selection_like and len(b_terms) * len(a_terms) > 1)
-    total, products = Cost(), []
-    for tb in b_terms:
-        for ta in a_terms:
-            # every pair's own product where it is traced below; else its plan (values at once below)
-            product, cost = matmul(tb, ta) if concrete else matmul(tb.plan(), ta.plan())
-            total += cost
-            products.append(product)
+    # every pair's own product where it is traced below; else its plan (values at once below)
+    products, total = _pair_products(b_terms, a_terms, planned=not concrete)
     adds = Cost(0, (len(products) - 1) * _size(b.out_shape))  # one addition per element per sum
     selections = [_selections(p) if isinstance(p, Linear) else None for p in products]
     if len(products) > 1 and all(selections):
@@ -1184,7 +1179,7 @@ def _distributed(b: Partial, a: Partial) -> Optional[tuple]:
             if valued is not None:
                 return valued, total + adds
     if not concrete:  # a structure the values at once do not fill: every pair's product traced
-        return _distributed_by_pairs(b_terms, a_terms)
+        products, total = _pair_products(b_terms, a_terms, planned=False)
     result = products[0]
     for product in products[1:]:
         result, cost = add(result, product)
@@ -1192,18 +1187,15 @@ def _distributed(b: Partial, a: Partial) -> Optional[tuple]:
     return result, total
 
 
-def _distributed_by_pairs(b_terms, a_terms) -> tuple:
-    """The sum of the products of every pair of terms, one product and one sum at a time."""
-    total, result = Cost(), None
+def _pair_products(b_terms, a_terms, planned: bool) -> tuple:
+    """``([tb o ta for every pair], their cost)``: the products' plans only where ``planned``."""
+    total, products = Cost(), []
     for tb in b_terms:
         for ta in a_terms:
-            product, cost = matmul(tb, ta)
+            product, cost = matmul(tb.plan(), ta.plan()) if planned else matmul(tb, ta)
             total += cost
-            if result is not None:
-                product, cost = add(result, product)
-                total += cost
-            result = product
-    return result, total
+            products.append(product)
+    return products, total
 
 
 def _as_selection(x: Partial) -> Linear:
@@ -1215,7 +1207,8 @@ def _selection_products(b, a, b_terms, a_terms, summed: Linear, dtype) -> Option
     (or permuted diagonals) ``b_terms[i] o a_terms[j]``, traced at once: one gather of the stacked
     scales of ``a_terms`` for all pairs, one product, one scatter (or gather) into the parts of
     ``summed``. (Pair by pair, ten steps of a stencil of 21 shifts traced 3000 equations, and XLA:CPU
-    compiled as many kernels.) None where ``summed``'s parts mix scaled and unscaled ones."""
+    compiled as many kernels.) None where ``summed``'s parts mix scaled and unscaled ones, or
+    (never expected) where an entry of the products finds no place in them."""
     bs, as_ = [_as_selection(t) for t in b_terms], [_as_selection(t) for t in a_terms]
     parts = summed.parts or (summed,)
     scaled = {p.has_scale for p in parts}
