@@ -1094,10 +1094,7 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
         return [replace(p.plan(), has_scale=True) for p in parts], None
     # each entry's scale into its place (rank, row) of the stacked scales of the new selections
     place = rank[slot.reshape(-1)] * n_out + row
-    if scales_of_terms is None:
-        scales = jnp.concatenate([cast(_full_scale(t, dtype), dtype).reshape(-1) for t in terms])
-    else:
-        scales = cast(scales_of_terms(), dtype)
+    scales = _concatenated_scales(terms, dtype) if scales_of_terms is None else cast(scales_of_terms(), dtype)
     if len(term) < index.size:  # some terms select nothing for some output elements
         scales = _take(scales, term * n_out + row, axis=0)
     if len(entries) == len(term):  # every place filled once: a gather
@@ -1224,7 +1221,8 @@ def _selection_products(b, a, b_terms, a_terms, summed: Linear, dtype) -> Option
         middle = np.broadcast_to(b_index[:, None, :], (k_b, k_a, n_out))
         read = np.arange(k_a)[None, :, None] * n_mid + np.maximum(middle, 0)  # into stacked a scales
         entry = np.where(middle >= 0, a_index[np.arange(k_a)[None, :, None], np.maximum(middle, 0)], -1)
-        term, row = np.nonzero(entry.reshape(k_b * k_a, n_out) >= 0)
+        entry = entry.reshape(k_b * k_a, n_out)  # per pair (i, j), as term i * k_a + j
+        term, row = np.nonzero(entry >= 0)
         if not len(term):
             return None
         a_scales, b_scales = _stacked_scales(a, as_, dtype), _stacked_scales(b, bs, dtype)
@@ -1235,7 +1233,7 @@ def _selection_products(b, a, b_terms, a_terms, summed: Linear, dtype) -> Option
         slot_part, slot_row = np.nonzero(index >= 0)
         slot_key = slot_row * n_in + index[slot_part, slot_row]
         by_key = np.argsort(slot_key, kind="stable")
-        keys = (row * n_in + entry.reshape(k_b * k_a, n_out)[term, row])
+        keys = row * n_in + entry[term, row]
         found = np.searchsorted(slot_key[by_key], keys)
         if np.any(found >= len(by_key)) or not np.array_equal(slot_key[by_key][np.minimum(found, len(by_key) - 1)], keys):
             return None
@@ -1259,6 +1257,11 @@ def _stacked_scales(x: Partial, terms, dtype):
     """The full scales of ``terms`` (``x``'s parts, or ``x`` as one selection), flat, in order."""
     if isinstance(x, Linear) and x.stacked is not None:
         return cast(x.stacked, dtype)
+    return _concatenated_scales(terms, dtype)
+
+
+def _concatenated_scales(terms, dtype):
+    """The full scales of scaled selections ``terms`` (ones where one has none), flat, in order."""
     return jnp.concatenate([cast(_full_scale(t, dtype), dtype).reshape(-1) for t in terms])
 
 
@@ -1269,7 +1272,7 @@ def _parts_to_dense(parts, shape, dtype, stacked=None):
     index = np.stack([p.index.reshape(-1) for p in parts])
     part, row = np.nonzero(index >= 0)
     if stacked is None:
-        stacked = jnp.concatenate([cast(_full_scale(p, dtype), dtype).reshape(-1) for p in parts])
+        stacked = _concatenated_scales(parts, dtype)
     values = stacked if len(part) == index.size else _take(stacked, part * n_out + row, axis=0)
     dense = jnp.zeros((n_out, _size(parts[0].in_shape)), dtype)
     dense = dense.at[row, index[part, row]].add(cast(values, dtype), mode="promise_in_bounds")
