@@ -23,7 +23,7 @@ from jax import lax
 
 from jaxtool.errors import UsageError
 from jaxtool.graph import Const, FlatProgram, Input, evaluate, flatten, read
-from jaxtool.partials import Cost, Partial, Sparse, add, cast, matmul, reshaped
+from jaxtool.partials import Cost, Partial, Sparse, add, cast, matmul, reshaped, shared_applications
 from jaxtool.rules import carries_tangent, cuts_derivative, is_differentiable, partials_of, tangent_dtype, \
     tangent_shape
 
@@ -186,8 +186,9 @@ def build(program: FlatProgram, args, wrt) -> Problem:
 def run(problem: Problem, order) -> Cost:
     """Eliminate the vertices of ``order`` (already validated) in turn; the total cost."""
     total = Cost()
-    for v in order:
-        total += problem.graph.eliminate(v)
+    with shared_applications():
+        for v in order:
+            total += problem.graph.eliminate(v)
     return total
 
 
@@ -197,6 +198,11 @@ def blocks(problem: Problem) -> list:
     A complex output's blocks are complex, ``d real/dx + 1j d imag/dx``, as ``jax.jacfwd`` gives
     them (``jax.jacrev`` rejects complex outputs).
     """
+    with shared_applications():
+        return _blocks(problem)
+
+
+def _blocks(problem: Problem) -> list:
     program = problem.program
     result = []
     for out, out_aval in zip(problem.outputs, problem.out_avals):

@@ -31,7 +31,9 @@ executes them on values.
 from __future__ import annotations
 
 import functools
+import contextlib
 import math
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -223,6 +225,69 @@ class Sparse(Partial):
 SMALL_DENSE = 1 << 12
 
 
+class _Applications(threading.local):
+    """Per thread: the results of Linears' functions by (function, argument), while they are kept."""
+
+    results: Optional[dict] = None
+
+
+_APPLICATIONS = _Applications()
+
+
+@contextlib.contextmanager
+def shared_applications():
+    """Within: each Linear's function is evaluated at most once per argument object, its result
+    reused after that (:func:`_once_per_argument`), and :func:`_ones` gives one array per shape and
+    dtype. Elimination and densification run within one; outside, the results are kept while one
+    outermost application runs."""
+    state = _APPLICATIONS
+    if state.results is not None:
+        yield
+        return
+    state.results = {}
+    try:
+        yield
+    finally:
+        state.results = None
+
+
+def _once_per_argument(f: Optional[Callable]) -> Optional[Callable]:
+    """``f`` (a Linear's ``fn`` or ``fn_t``) evaluated at most once per argument object while
+    results are kept (see :func:`shared_applications`).
+
+    Lazy maps form a DAG: in forward order the edge of each step of ``u = a(u) + b(u)`` is a sum
+    of two maps that both apply the previous step's edge to the same tangent, in reverse order both
+    transposes reach the next step's edge with the same cotangent. Applied as a tree, that is
+    exponential in the number of steps (seven steps of ``sort(x) + roll(x) + roll(x, -1)`` traced
+    for 141 s); applied once per argument it is as large as the DAG.
+    """
+    if f is None or getattr(f, "once_per_argument", False):
+        return f
+
+    def applied(t):
+        with shared_applications():
+            results = _APPLICATIONS.results
+            key = (id(applied), id(t))
+            if key not in results:
+                results[key] = (f(t), t)  # t is kept so that its id is not reused meanwhile
+            return results[key][0]
+
+    applied.once_per_argument = True
+    return applied
+
+
+def _ones(shape, dtype):
+    """An array of ones, the same one for the same shape and dtype while results are kept (so
+    that a chain of selections, each asked which elements it selects, applies each map to it once)."""
+    results = _APPLICATIONS.results
+    if results is None:
+        return jnp.ones(shape, dtype)
+    key = ("ones", tuple(shape), np.dtype(dtype))
+    if key not in results:
+        results[key] = jnp.ones(shape, dtype)
+    return results[key]
+
+
 @dataclass(frozen=True)
 class Linear(Partial):
     out_shape: tuple
@@ -248,6 +313,12 @@ class Linear(Partial):
     #: for one partial of an opaque equation: ``(pullbacks, i)``, the equation's :class:`JointPullback`
     #: for this output and this partial's input position, so that one VJP serves all its inputs
     joint: Optional[tuple] = field(default=None, compare=False)
+    #: how deeply ``fn`` (and ``fn_t``) nest calls of other Linears' functions (see :func:`_bounded`)
+    depth: int = field(default=0, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "fn", _once_per_argument(self.fn))
+        object.__setattr__(self, "fn_t", _once_per_argument(self.fn_t))
 
     @property
     def abstract(self) -> bool:
@@ -272,20 +343,29 @@ class Linear(Partial):
         """``t -> fn(t)`` (without scale), deriving it by transposition when only ``fn_t`` is known."""
         if self.fn is not None:
             return self.fn
-        transposed = jax.linear_transpose(self.fn_t, self._out_struct())
-        try:
-            jax.eval_shape(transposed, self._in_struct())
-        except Exception:  # noqa: BLE001 - a VJP JAX cannot transpose (odeint's calls odeint): by rows
-            dense = replace(self, scale=None, has_scale=False).to_dense()
-            return lambda t: jnp.tensordot(dense, t, axes=len(self.in_shape))
-        return lambda t: transposed(t)[0]
+        derived = self.__dict__.get("derived_fn")  # kept, so that it too is applied once per argument
+        if derived is None:
+            transposed = jax.linear_transpose(self.fn_t, self._out_struct())
+            try:
+                jax.eval_shape(transposed, self._in_struct())
+            except Exception:  # noqa: BLE001 - a VJP JAX cannot transpose (odeint's calls odeint): by rows
+                dense = replace(self, scale=None, has_scale=False).to_dense()
+                derived = _once_per_argument(lambda t: jnp.tensordot(dense, t, axes=len(self.in_shape)))
+            else:
+                derived = _once_per_argument(lambda t: transposed(t)[0])
+            object.__setattr__(self, "derived_fn", derived)
+        return derived
 
     def backward(self) -> Callable:
         """``c -> fn_t(c)`` (without scale), deriving it by transposition when only ``fn`` is known."""
         if self.fn_t is not None:
             return self.fn_t
-        transposed = jax.linear_transpose(self.fn, self._in_struct())
-        return lambda c: transposed(c)[0]
+        derived = self.__dict__.get("derived_fn_t")
+        if derived is None:
+            transposed = jax.linear_transpose(self.fn, self._in_struct())
+            derived = _once_per_argument(lambda c: transposed(c)[0])
+            object.__setattr__(self, "derived_fn_t", derived)
+        return derived
 
     def apply(self, t):
         """``J(t)`` for one tangent."""
@@ -362,6 +442,33 @@ def _transposed_index(index: Optional[np.ndarray], in_shape, pairs) -> Optional[
 
 def matmul(b: Partial, a: Partial) -> tuple[Partial, Cost]:
     """The partial of ``u -> w`` through ``v``: ``b o a`` for ``a: u -> v`` and ``b: v -> w``."""
+    product, cost = _product(b, a)
+    return _bounded(product), cost
+
+
+#: A Linear whose functions nest calls of others' deeper than this (a chain of hundreds of sorts or
+#: FFTs: each step's partial a lazy map applied inside the next) is traced once and replayed from
+#: its equations; applied as nested calls, a chain of 600 exceeded Python's recursion limit.
+MAX_DEPTH = 32
+
+
+def _bounded(x: Partial) -> Partial:
+    """``x``, its functions replaced by replays of their equations where they nest too deeply."""
+    if not isinstance(x, Linear) or x.depth <= MAX_DEPTH or x.abstract:
+        return x
+    return replace(x, fn=_replayed(x.fn, x._in_struct()), fn_t=_replayed(x.fn_t, x._out_struct()), depth=0)
+
+
+def _replayed(f: Optional[Callable], argument) -> Optional[Callable]:
+    """``f`` traced once at ``argument``'s shape and dtype, as a function that replays its equations
+    (values it closes over become arguments of the trace, :func:`jax.closure_convert`)."""
+    if f is None:
+        return None
+    converted, consts = jax.closure_convert(f, argument)
+    return lambda t: converted(t, *consts)
+
+
+def _product(b: Partial, a: Partial) -> tuple[Partial, Cost]:
     assert tuple(a.out_shape) == tuple(b.in_shape), (a.out_shape, b.in_shape)
     if _has_parts(a) or _has_parts(b):
         distributed = _distributed(b, a)
@@ -684,7 +791,8 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
             fn_t = lambda c: a.fn_t(a.scale * b.fn_t(c))  # noqa: E731
         else:
             fn_t = lambda c: a.fn_t(b.fn_t(c))  # noqa: E731
-    return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale)), cost
+    depth = max(a.depth, b.depth) + 1
+    return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=depth)), cost
 
 
 def _zero_where_unselected(x: Linear) -> Linear:
@@ -698,7 +806,7 @@ def _zero_where_unselected(x: Linear) -> Linear:
         if selected.all():
             return x
     else:
-        selected = x.forward()(jnp.ones(x.in_shape, x.dtype)) != 0
+        selected = x.forward()(_ones(x.in_shape, x.dtype)) != 0
     return replace(x, scale=_zero_unless(selected, x.scale))
 
 
@@ -736,7 +844,7 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         scale = tr(jnp.broadcast_to(a.scale, a.out_shape)) if a.has_scale else None
         if not b.unit:
             scale = b.val if scale is None else scale * b.val
-        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale)), cost
+        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=a.depth + 1)), cost
     # general: rows of b (dense over v) pulled back through a^T
     rows = b.unpair(range(len(b.out_shape)))
     nw = len(b.out_shape)
@@ -884,7 +992,7 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
         if push:
             pushed = fb(jnp.broadcast_to(a.val, a.out_shape).astype(b.dtype))
             scale = pushed * b.scale if b.has_scale else pushed
-        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale)), cost
+        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=b.depth + 1)), cost
     # general: columns of a (dense over v) pushed through b
     cols = a.unpair(range(len(a.out_shape)))
     nv = len(a.out_shape)
@@ -914,6 +1022,11 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
 
 def add(x: Partial, y: Partial) -> tuple[Partial, Cost]:
     """The sum of two partials of the same edge, at their cheapest common structure."""
+    total, cost = _sum(x, y)
+    return _bounded(total), cost
+
+
+def _sum(x: Partial, y: Partial) -> tuple[Partial, Cost]:
     assert x.shape == y.shape, (x.shape, y.shape)
     if isinstance(x, Linear) and isinstance(y, Linear):
         return _linear_add(x, y)
@@ -969,6 +1082,7 @@ def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
         summed = sum_of_selections(xs + ys, dtype, scales)
         if summed is not None:
             return summed, cost
+        return _dense_sum(xs + ys, dtype), cost  # too many parts to keep
     result = Linear(x.out_shape, x.in_shape, dtype, selection=False,
                     flops=x.flops + y.flops + (n_out if x.has_scale else 0) + (n_out if y.has_scale else 0),
                     opaque=x.opaque or y.opaque)
@@ -976,7 +1090,7 @@ def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
         return result, cost
     fn = lambda t: x.apply(t) + y.apply(t)  # noqa: E731
     fn_t = lambda c: x.apply_t(c) + y.apply_t(c)  # noqa: E731
-    return replace(result, fn=fn, fn_t=fn_t), cost
+    return replace(result, fn=fn, fn_t=fn_t, depth=max(x.depth, y.depth) + 1), cost
 
 
 def _full_scale(part: Linear, dtype):
@@ -988,11 +1102,18 @@ def _full_scale(part: Linear, dtype):
 # Sums of scaled selections
 
 #: A sum of scaled selections that needs at most this many (as few as its output elements have
-#: entries, see ``_fewest_selections``) keeps them as its parts; one that needs more is applied
-#: lazily, as any sum of linear maps, whose products compose functions instead of multiplying
-#: values: with 16, ten explicit steps of a 1000-point periodic stencil (21 shifts) took 280 ms in
-#: forward order, where ``jax.jit(jax.jacfwd)`` takes 59 ms (with 64: 3 to 5 ms).
+#: entries, see ``_fewest_selections``), or more but fewer than a quarter of its input elements,
+#: keeps them as its parts; one that needs more is formed dense (it then stores at most four times
+#: as many values as its parts would). Applied lazily instead, as any sum of linear maps, such sums
+#: compose functions instead of multiplying values: ten explicit steps of a 1000-point periodic
+#: stencil (21 shifts) took 280 ms in forward order with a limit of 16, where ``jax.jit(jax.jacfwd)``
+#: takes 59 ms (with 64: 3 to 5 ms); 33 steps on 100 points (67 shifts) compiled for 16 s.
 MAX_PARTS = 64
+
+
+def _part_limit(n_in: int) -> int:
+    """The most parts a sum of scaled selections from ``n_in`` input elements keeps (see :data:`MAX_PARTS`)."""
+    return max(MAX_PARTS, n_in // 4)
 
 
 def _has_parts(x: Partial) -> bool:
@@ -1007,28 +1128,31 @@ def _selections(x: Linear) -> Optional[tuple]:
 
 
 def sum_of_selections(terms, dtype, scales_of_terms: Optional[Callable] = None) -> Optional[Linear]:
-    """The sum of scaled selections with known indices: those with equal indices merged (scales
-    added), then re-cut into the fewest selections where fewer suffice (:func:`_fewest_selections`):
-    one selection, or a Linear with them as its parts; None if more than :data:`MAX_PARTS` remain.
-    ``scales_of_terms()``, where given, traces the full scales of ``terms``, flat, in order."""
-    merged = []
-    for term in terms:
-        for n, kept in enumerate(merged):
-            if np.array_equal(kept.index, term.index):
-                merged[n] = _same_selection_add(kept, term, dtype)
-                scales_of_terms = None  # no longer in the order of the terms
-                break
-        else:
-            merged.append(term)
+    """The sum of scaled selections with known indices, re-cut into the fewest selections whose
+    sum it is (:func:`_fewest_selections`; entries several terms share are added there, in one
+    scatter): one selection, or a Linear with them as its parts; None if more remain than a sum
+    keeps (:data:`MAX_PARTS`). ``scales_of_terms()``, where given, traces the full scales of
+    ``terms``, flat, in order."""
+    terms = list(terms)
     stacked = None
-    if len(merged) > 1:
-        cut = _fewest_selections(merged, dtype, scales_of_terms)
+    if len(terms) > 1:
+        cut = _fewest_selections(terms, dtype, scales_of_terms)
         if cut is None:
             return None
-        merged, stacked = cut
-    if len(merged) == 1:
-        return merged[0]
-    return _sum_of_parts(tuple(merged), dtype, stacked)
+        terms, stacked = cut
+    if len(terms) == 1:
+        return terms[0]
+    return _sum_of_parts(tuple(terms), dtype, stacked)
+
+
+def _dense_sum(terms, dtype) -> Sparse:
+    """The sum of scaled selections with known indices as a dense block, their entries scattered
+    into it at once."""
+    first = terms[0]
+    result = Sparse(first.out_shape, first.in_shape, (None,) * len(first.out_shape), first.shape, np.dtype(dtype))
+    if any(t.abstract for t in terms):
+        return result
+    return replace(result, val=_parts_to_dense(terms, first.shape, dtype))
 
 
 def _sum_of_parts(parts: tuple, dtype, stacked=None) -> Linear:
@@ -1041,7 +1165,7 @@ def _sum_of_parts(parts: tuple, dtype, stacked=None) -> Linear:
         return result
     fn = lambda t: functools.reduce(lax.add, [cast(p.apply(t), dtype) for p in parts])  # noqa: E731
     fn_t = lambda c: functools.reduce(lax.add, [cast(p.apply_t(c), dtype) for p in parts])  # noqa: E731
-    return replace(result, fn=fn, fn_t=fn_t, stacked=stacked)
+    return replace(result, fn=fn, fn_t=fn_t, stacked=stacked, depth=max(p.depth for p in parts) + 1)
 
 
 def selection_from_index(out_shape, in_shape, index: np.ndarray, dtype) -> Linear:
@@ -1049,14 +1173,14 @@ def selection_from_index(out_shape, in_shape, index: np.ndarray, dtype) -> Linea
     array (of ``out_shape``)."""
     out_shape, in_shape = tuple(out_shape), tuple(in_shape)
     flat = index.reshape(-1)
-    picked = np.flatnonzero(flat >= 0)
     n_in = _size(in_shape)
-    unique = len(np.unique(flat[picked])) == len(picked)
 
     def fn(t):
         return _take_or_zero(jnp.reshape(t, (n_in,)), flat, axis=0).reshape(out_shape)
 
-    def fn_t(c):
+    def fn_t(c):  # (the index checks here, not when the selection is made: most are never transposed)
+        picked = np.flatnonzero(flat >= 0)
+        unique = len(np.unique(flat[picked])) == len(picked)
         rows = jnp.reshape(c, (-1,))[picked]
         into = jnp.zeros(n_in, c.dtype).at[flat[picked]]
         return (into.set(rows, unique_indices=True) if unique else into.add(rows)).reshape(in_shape)
@@ -1070,7 +1194,8 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
     selection, entries that several terms share added. That is as many as any output element has
     entries (a band of shifts: its width, however the terms were cut, e.g. by ``jnp.roll``'s
     slices), and the same cut for the same pattern, so later sums merge them again. ``terms``
-    themselves where they are already that few; None if more than :data:`MAX_PARTS` are needed.
+    themselves where they are already that few; None if more are needed than a sum keeps
+    (:data:`MAX_PARTS`).
     Returns ``(selections, stacked)``, ``stacked`` their scales computed together (see
     :attr:`Linear.stacked`) or None. ``scales_of_terms()``: see :func:`sum_of_selections`."""
     out_shape, in_shape = terms[0].out_shape, terms[0].in_shape
@@ -1081,9 +1206,9 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
     entry_rows = entries // n_in
     rank = np.arange(len(entries)) - np.searchsorted(entry_rows, entry_rows)
     count = int(rank.max(initial=0)) + 1
-    if count > MAX_PARTS:
+    if count > _part_limit(n_in):
         return None
-    if count >= len(terms):
+    if count >= len(terms) and len(entries) == len(term):  # as few already, no entry shared
         return list(terms), None
     cut = np.full((count, n_out), -1)
     cut[rank, entry_rows] = entries % n_in
@@ -1105,15 +1230,6 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
         stacked = jnp.zeros(count * n_out, dtype).at[place].add(scales)
     scales = lax.split(stacked, (n_out,) * count)  # one equation, not a slice and a squeeze per part
     return [replace(p, has_scale=True, scale=reshaped(s, out_shape)) for s, p in zip(scales, parts)], stacked
-
-
-def _same_selection_add(x: Linear, y: Linear, dtype) -> Linear:
-    """The sum of two scaled selections with the same index: that selection, the scales added."""
-    result = Linear(x.out_shape, x.in_shape, dtype, has_scale=True, selection=True, index=x.index)
-    if x.abstract or y.abstract:
-        return result
-    return replace(result, fn=x.forward(), fn_t=x.fn_t if x.fn_t is not None else y.fn_t,
-                   scale=_full_scale(x, dtype) + _full_scale(y, dtype))
 
 
 def _diag_as_selection(x: Sparse) -> Linear:
@@ -1169,12 +1285,20 @@ def _distributed(b: Partial, a: Partial) -> Optional[tuple]:
         # merged at once, not one sum at a time (each re-cutting its parts): the same sum and count
         dtype = np.result_type(*[p.dtype for p in products])
         summed = sum_of_selections([s for some in selections for s in some], dtype)
-        if summed is not None:
+        if summed is None:  # more parts than a sum keeps: every product's entries into one dense block
             if concrete or a.abstract or b.abstract:
-                return summed, total + adds
-            valued = _selection_products(b, a, b_terms, a_terms, summed, dtype)
-            if valued is not None:
-                return valued, total + adds
+                return _dense_sum([s for some in selections for s in some], dtype), total + adds
+            row, entry, values = _pair_entries(b, a, b_terms, a_terms, dtype)
+            dense = jnp.zeros((_size(b.out_shape), _size(a.in_shape)), dtype)
+            if values is not None:
+                dense = dense.at[row, entry].add(cast(values, dtype), mode="promise_in_bounds")
+            plan = _dense_sum([s.plan() for some in selections for s in some], dtype)
+            return replace(plan, val=dense.reshape(plan.shape)), total + adds
+        if concrete or a.abstract or b.abstract:
+            return summed, total + adds
+        valued = _selection_products(b, a, b_terms, a_terms, summed, dtype)
+        if valued is not None:
+            return valued, total + adds
     if not concrete:  # a structure the values at once do not fill: every pair's product traced
         products, total = _pair_products(b_terms, a_terms, planned=False)
     result = products[0]
@@ -1201,39 +1325,28 @@ def _as_selection(x: Partial) -> Linear:
 
 def _selection_products(b, a, b_terms, a_terms, summed: Linear, dtype) -> Optional[Linear]:
     """The values of ``summed``, the planned sum of the products of every pair of scaled selections
-    (or permuted diagonals) ``b_terms[i] o a_terms[j]``, traced at once: one gather of the stacked
-    scales of ``a_terms`` for all pairs, one product, one scatter (or gather) into the parts of
-    ``summed``. (Pair by pair, ten steps of a stencil of 21 shifts traced 3000 equations, and XLA:CPU
-    compiled as many kernels.) None where ``summed``'s parts mix scaled and unscaled ones, or
-    (never expected) where an entry of the products finds no place in them."""
-    bs, as_ = [_as_selection(t) for t in b_terms], [_as_selection(t) for t in a_terms]
+    (or permuted diagonals) ``b_terms[i] o a_terms[j]``, traced at once (:func:`_pair_entries`),
+    then one scatter (or gather) into the parts of ``summed``. (Pair by pair, ten steps of a stencil
+    of 21 shifts traced 3000 equations, and XLA:CPU compiled as many kernels.) None where
+    ``summed``'s parts mix scaled and unscaled ones, or (never expected) where an entry of the
+    products finds no place in them."""
     parts = summed.parts or (summed,)
     scaled = {p.has_scale for p in parts}
     if len(scaled) > 1:
         return None
     out_shape, in_shape = tuple(summed.out_shape), tuple(summed.in_shape)
-    n_out, n_mid, n_in = _size(out_shape), _size(bs[0].in_shape), _size(in_shape)
+    n_out, n_in = _size(out_shape), _size(in_shape)
     values, stacked = [], None
     if scaled == {True}:
-        b_index = np.stack([t.index.reshape(-1) for t in bs])  # (k_b, n_out), into the middle
-        a_index = np.stack([t.index.reshape(-1) for t in as_])  # (k_a, n_mid), into the input
-        k_b, k_a = len(bs), len(as_)
-        middle = np.broadcast_to(b_index[:, None, :], (k_b, k_a, n_out))
-        read = np.arange(k_a)[None, :, None] * n_mid + np.maximum(middle, 0)  # into stacked a scales
-        entry = np.where(middle >= 0, a_index[np.arange(k_a)[None, :, None], np.maximum(middle, 0)], -1)
-        entry = entry.reshape(k_b * k_a, n_out)  # per pair (i, j), as term i * k_a + j
-        term, row = np.nonzero(entry >= 0)
-        if not len(term):
+        row, entry, scales = _pair_entries(b, a, b_terms, a_terms, dtype)
+        if not len(row):
             return None
-        a_scales, b_scales = _stacked_scales(a, as_, dtype), _stacked_scales(b, bs, dtype)
-        flat_read = read.reshape(-1)[term * n_out + row]
-        scales = _take(a_scales, flat_read, axis=0) * _take(b_scales, (term // k_a) * n_out + row, axis=0)
         # each entry's place: the first part of ``summed`` holding its (row, input) pair
         index = np.stack([p.index.reshape(-1) for p in parts])
         slot_part, slot_row = np.nonzero(index >= 0)
         slot_key = slot_row * n_in + index[slot_part, slot_row]
         by_key = np.argsort(slot_key, kind="stable")
-        keys = row * n_in + entry[term, row]
+        keys = row * n_in + entry
         found = np.searchsorted(slot_key[by_key], keys)
         if np.any(found >= len(by_key)) or not np.array_equal(slot_key[by_key][np.minimum(found, len(by_key) - 1)], keys):
             return None
@@ -1251,6 +1364,28 @@ def _selection_products(b, a, b_terms, a_terms, summed: Linear, dtype) -> Option
         built.append(replace(p, fn=selection.fn, fn_t=selection.fn_t,
                              scale=reshaped(values[k], out_shape) if values else None))
     return built[0] if len(built) == 1 else _sum_of_parts(tuple(built), dtype, stacked)
+
+
+def _pair_entries(b, a, b_terms, a_terms, dtype) -> tuple:
+    """The entries of the products of every pair of scaled selections (or permuted diagonals)
+    ``b_terms[i] o a_terms[j]``: ``(rows, inputs, values)``, the flat output and input element of
+    each, and its value, traced at once: one gather of each side's stacked scales, one product."""
+    bs, as_ = [_as_selection(t) for t in b_terms], [_as_selection(t) for t in a_terms]
+    n_out, n_mid = _size(bs[0].out_shape), _size(bs[0].in_shape)
+    b_index = np.stack([t.index.reshape(-1) for t in bs])  # (k_b, n_out), into the middle
+    a_index = np.stack([t.index.reshape(-1) for t in as_])  # (k_a, n_mid), into the input
+    k_b, k_a = len(bs), len(as_)
+    middle = np.broadcast_to(b_index[:, None, :], (k_b, k_a, n_out))
+    read = np.arange(k_a)[None, :, None] * n_mid + np.maximum(middle, 0)  # into stacked a scales
+    entry = np.where(middle >= 0, a_index[np.arange(k_a)[None, :, None], np.maximum(middle, 0)], -1)
+    entry = entry.reshape(k_b * k_a, n_out)  # per pair (i, j), as term i * k_a + j
+    term, row = np.nonzero(entry >= 0)
+    if not len(term):
+        return row, entry[term, row], None
+    a_scales, b_scales = _stacked_scales(a, as_, dtype), _stacked_scales(b, bs, dtype)
+    flat_read = read.reshape(-1)[term * n_out + row]
+    values = _take(a_scales, flat_read, axis=0) * _take(b_scales, (term // k_a) * n_out + row, axis=0)
+    return row, entry[term, row], values
 
 
 def _stacked_scales(x: Partial, terms, dtype):

@@ -6,6 +6,7 @@ import importlib.util
 import itertools
 import pathlib
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -717,6 +718,82 @@ def test_products_of_sums_of_selections_trace_as_many_equations_whatever_their_w
 def _count_equations(jaxpr) -> int:
     return sum(1 + sum(_count_equations(sub) for _, _, sub in subjaxprs(e.params))
                for e in jaxpr.eqns)
+
+
+def _sort_and_rolls(x, steps):
+    """Steps that each read the previous one's values through a sort (a selection known only when
+    it runs: a lazily applied map) and two rolls: every step's edge is a sum of maps that all apply
+    the previous step's edge."""
+    for _ in range(steps):
+        x = jnp.sort(x) * 0.3 + jnp.roll(x, 1) * 0.5 + jnp.roll(x, -1) * 0.2
+    return x
+
+
+def test_lazy_maps_that_share_a_map_apply_it_once():
+    # in forward order every step's edge applies the previous step's edge three times to the same
+    # tangent. Applied as a tree, the traced Jacobian grew about sixfold per step (six steps traced
+    # for 25 s, seven for 141 s); applied once per argument, it grows with the steps (194 -> 594
+    # equations from four to eight steps)
+    x = jnp.linspace(0.1, 1.0, 16)
+
+    def equations(steps):
+        jacobian = jaxtool.jacve(lambda v: _sort_and_rolls(v, steps), order="fwd")
+        return _count_equations(jax.make_jaxpr(jacobian)(x).jaxpr)
+
+    assert equations(8) < 5 * equations(4)
+    fun = lambda v: _sort_and_rolls(v, 4)  # noqa: E731
+    assert_orders_match(fun, (x,), 0, jax.jacfwd(fun)(x), lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 2, seed=3),
+                        rtol=1e-5, atol=1e-6)
+
+
+def test_a_chain_of_lazy_maps_nests_no_deeper_than_its_bound():
+    # each FFT round trip's partial is a lazy map applied inside the next one's: a chain of 600
+    # nested deeper than Python's recursion limit (a RecursionError). Deep compositions are now
+    # replayed from their equations, so 150 of them pass even under a recursion limit of 400
+    # (under which they failed before)
+    def fun(x):
+        for _ in range(150):
+            x = jnp.fft.irfft(jnp.fft.rfft(x), 6) * 0.9
+        return x
+
+    x = jnp.linspace(1.0, 0.1, 6)
+    want = jax.jacfwd(fun)(x)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(400)
+    try:
+        got = {order: jaxtool.jacve(fun, order=order)(x) for order in ("fwd", "rev")}
+    finally:
+        sys.setrecursionlimit(limit)
+    for jacobian in got.values():
+        assert_same_jacobian(jacobian, want, rtol=1e-5, atol=1e-6)
+
+
+def _wide_stencil_steps(u, steps):
+    """Explicit steps of a 17-point periodic stencil: each widens the band by 16 shifts."""
+    for _ in range(steps):
+        u = u + sum(0.01 * k * (jnp.roll(u, k) + jnp.roll(u, -k)) for k in range(1, 9)) + 0.01 * jnp.sin(u)
+    return u
+
+
+def test_sums_of_more_selections_than_a_sum_keeps():
+    # five steps make a band of 81 shifts: past MAX_PARTS on 100 points, where the sum is formed
+    # dense (it was a lazy sum of 81 maps, and 33 three-point heat steps on 100 points, 67 shifts,
+    # compiled for 16 s; 40 on 1000 points overflowed the recursion limit); on 360 points a sum
+    # keeps up to 90 parts
+    fun = lambda u: _wide_stencil_steps(u, 5)  # noqa: E731
+    for n, kept in ((100, False), (360, True)):
+        x = jnp.linspace(0.0, 1.0, n)
+        want = jax.jacfwd(fun)(x)
+        problem = trace_problem(fun, x)
+        for order in ("fwd", "rev", "markowitz"):
+            plan = problem.plan()  # the structure the values below take (without computing them)
+            run(plan, resolve_order(order, plan))
+            (partial,) = plan.graph.preds[plan.outputs[0]].values()
+            if kept:
+                assert isinstance(partial, Linear) and len(partial.parts) == 81, order
+            else:
+                assert isinstance(partial, Sparse) and partial.val_shape == (n, n), order
+            assert_same_jacobian(jax.jit(jaxtool.jacve(fun, order=order))(x), want, rtol=1e-5, atol=1e-6)
 
 
 def test_division_by_a_scalar_stores_one_value():
