@@ -30,8 +30,8 @@ executes them on values.
 
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 import math
 import threading
 from dataclasses import dataclass, field, replace
@@ -256,10 +256,10 @@ def _once_per_argument(f: Optional[Callable]) -> Optional[Callable]:
     results are kept (see :func:`shared_applications`).
 
     Lazy maps form a DAG: in forward order the edge of each step of ``u = a(u) + b(u)`` is a sum
-    of two maps that both apply the previous step's edge to the same tangent, in reverse order both
-    transposes reach the next step's edge with the same cotangent. Applied as a tree, that is
-    exponential in the number of steps (seven steps of ``sort(x) + roll(x) + roll(x, -1)`` traced
-    for 141 s); applied once per argument it is as large as the DAG.
+    of two maps that both apply the previous step's edge to the same tangent. Applied as a tree,
+    that is exponential in the number of steps (seven steps of ``sort(x) + roll(x) + roll(x, -1)``
+    traced for 141 s); applied once per argument it is as large as the DAG. (Maps shared on the
+    output side, as in reverse order, get a different argument on each path: not shared yet.)
     """
     if f is None or getattr(f, "once_per_argument", False):
         return f
