@@ -1289,9 +1289,7 @@ def _distributed(b: Partial, a: Partial) -> Optional[tuple]:
             if concrete or a.abstract or b.abstract:
                 return _dense_sum([s for some in selections for s in some], dtype), total + adds
             row, entry, values = _pair_entries(b, a, b_terms, a_terms, dtype)
-            dense = jnp.zeros((_size(b.out_shape), _size(a.in_shape)), dtype)
-            if values is not None:
-                dense = dense.at[row, entry].add(cast(values, dtype), mode="promise_in_bounds")
+            dense = _scattered(row, entry, values, (_size(b.out_shape), _size(a.in_shape)), dtype)
             plan = _dense_sum([s.plan() for some in selections for s in some], dtype)
             return replace(plan, val=dense.reshape(plan.shape)), total + adds
         if concrete or a.abstract or b.abstract:
@@ -1409,6 +1407,12 @@ def _parts_to_dense(parts, shape, dtype, stacked=None):
     if stacked is None:
         stacked = _concatenated_scales(parts, dtype)
     values = stacked if len(part) == index.size else _take(stacked, part * n_out + row, axis=0)
-    dense = jnp.zeros((n_out, _size(parts[0].in_shape)), dtype)
-    dense = dense.at[row, index[part, row]].add(cast(values, dtype), mode="promise_in_bounds")
-    return dense.reshape(shape)
+    return _scattered(row, index[part, row], values, (n_out, _size(parts[0].in_shape)), dtype).reshape(shape)
+
+
+def _scattered(rows, inputs, values, shape: tuple, dtype):
+    """Zeros of ``(n_out, n_in)`` ``shape`` with ``values`` added at ``(rows, inputs)`` (none if None)."""
+    dense = jnp.zeros(shape, dtype)
+    if values is None:
+        return dense
+    return dense.at[rows, inputs].add(cast(values, dtype), mode="promise_in_bounds")
