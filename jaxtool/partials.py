@@ -276,6 +276,18 @@ def _once_per_argument(f: Optional[Callable]) -> Optional[Callable]:
     return applied
 
 
+def _scaled(x, scale):
+    """``x * scale``, the same array for the same two operands while results are kept: the terms of a
+    sum that share their outer map share its scale too, and so its application to the product."""
+    results = _APPLICATIONS.results
+    if results is None:
+        return x * scale
+    key = ("scaled", id(x), id(scale))
+    if key not in results:
+        results[key] = (x * scale, x, scale)  # the operands kept so that their ids are not reused meanwhile
+    return results[key][0]
+
+
 def _ones(shape, dtype):
     """An array of ones, the same one for the same shape and dtype while results are kept (so
     that a chain of selections, each asked which elements it selects, applies each map to it once)."""
@@ -315,6 +327,10 @@ class Linear(Partial):
     joint: Optional[tuple] = field(default=None, compare=False)
     #: how deeply ``fn`` (and ``fn_t``) nest calls of other Linears' functions (see :func:`_bounded`)
     depth: int = field(default=0, compare=False)
+    #: the Linears whose functions ``fn`` and ``fn_t`` apply, as ``(linear, forward, backward)``: the
+    #: argument each direction passes it, None for its own argument, ``_UNCALLED`` for none, else an
+    #: object that stands for a new one (see :func:`_applications`)
+    calls: tuple = field(default=(), compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "fn", _once_per_argument(self.fn))
@@ -331,7 +347,8 @@ class Linear(Partial):
     def plan(self) -> "Linear":
         if self.abstract and self.scale is None:
             return self
-        return replace(self, fn=None, fn_t=None, scale=None, stacked=None, parts=tuple(p.plan() for p in self.parts))
+        return replace(self, fn=None, fn_t=None, scale=None, stacked=None, parts=tuple(p.plan() for p in self.parts),
+                       calls=())
 
     def _in_struct(self):
         return jax.ShapeDtypeStruct(self.in_shape, self.dtype)
@@ -370,12 +387,12 @@ class Linear(Partial):
     def apply(self, t):
         """``J(t)`` for one tangent."""
         y = self.forward()(cast(t, self.dtype))
-        return y * self.scale if self.has_scale else y
+        return _scaled(y, self.scale) if self.has_scale else y
 
     def apply_t(self, c):
         """``J^T(c)`` for one cotangent."""
         if self.has_scale:
-            c = c * self.scale
+            c = _scaled(c, self.scale)
         return self.backward()(cast(c, self.dtype))
 
     def _pattern_dense(self):
@@ -406,7 +423,10 @@ class Linear(Partial):
                 return _parts_to_dense(parts, self.shape, self.dtype, self.stacked)
             # small: 0/1 patterns known while tracing, scaled and added (fused by XLA; no scatter)
             return functools.reduce(lax.add, [cast(p._pattern_dense(), self.dtype) for p in parts])
-        use_forward = n_in <= n_out if (self.fn is not None and self.fn_t is not None) else self.fn is not None
+        if self.fn is not None and self.fn_t is not None:
+            use_forward = _densify_forward(self, n_in, n_out)
+        else:
+            use_forward = self.fn is not None
         if use_forward:
             basis = jnp.eye(n_in, dtype=self.dtype).reshape((n_in,) + self.in_shape)
             cols = jax.vmap(self.apply)(basis)  # (n_in,) + out_shape
@@ -418,6 +438,70 @@ class Linear(Partial):
 
 # --------------------------------------------------------------------------------------------
 # Products
+
+
+#: :func:`_applications` counts at most this many applications
+MAX_APPLICATIONS = 1 << 16
+
+
+def _applications(x: Linear, forward: bool, limit: int = MAX_APPLICATIONS) -> int:
+    """How many functions of Linears one application of ``x`` (``fn`` if ``forward``, else ``fn_t``)
+    evaluates, each at most once per argument (:func:`_once_per_argument`): the distinct (map,
+    argument) pairs reached through :attr:`Linear.calls`; ``limit + 1`` where there are more.
+
+    Maps shared on one side are applied once in one direction and once per path in the other: in
+    reverse order, each step of ``x = sort(x) + roll(x) + roll(x, -1)`` gives the edge to the
+    output as three maps that all begin with the previous step's edge, applied to one cotangent
+    backward but to three different tangents forward.
+    """
+    seen, arguments = set(), {}
+    stack = [(x, 0)]
+    while stack:
+        node, argument = stack.pop()
+        if (id(node), argument) in seen:
+            continue
+        seen.add((id(node), argument))
+        if len(seen) > limit:
+            break
+        for callee, *passed in node.calls:
+            new = passed[0] if forward else passed[1]
+            if new is _UNCALLED:
+                continue
+            stack.append((callee, argument if new is None else arguments.setdefault((id(new), argument), len(arguments) + 1)))
+    return len(seen)
+
+
+def _densify_forward(x: Linear, n_in: int, n_out: int) -> bool:
+    """Whether ``x`` is densified by columns (``fn`` of ``n_in`` basis tangents) rather than by rows
+    (``fn_t`` of ``n_out`` basis cotangents): the cheaper of applications times basis vectors
+    (:func:`_applications`), the smaller basis where they tie."""
+    by_columns = n_in <= n_out
+    first = _applications(x, by_columns)
+    basis, other_basis = (n_in, n_out) if by_columns else (n_out, n_in)
+    bound = first * basis // other_basis
+    if bound < 1:
+        return by_columns
+    return by_columns != (_applications(x, not by_columns, bound) * other_basis < first * basis)
+
+
+def _transposable(x: Linear) -> bool:
+    """Whether ``x.backward()`` exists: ``x`` has ``fn_t``, or JAX can transpose its ``fn`` (tried
+    once, kept). A composition gets ``fn_t`` from its factors' ``backward()`` where they all have
+    one, so that its transpose is theirs, each derived once, never a transposition of the whole
+    composition's forward map (which applies maps shared on the output side once per path)."""
+    if x.fn_t is not None:
+        return True
+    if x.fn is None or x.calls:  # (a composition without fn_t has a factor JAX cannot transpose)
+        return False
+    known = x.__dict__.get("transposable")
+    if known is None:
+        try:
+            jax.eval_shape(x.backward(), x._out_struct())  # derived here, in the trace x was made in
+            known = True
+        except Exception:  # noqa: BLE001 - JAX has no transpose rule for a primitive of fn (while)
+            known = False
+        object.__setattr__(x, "transposable", known)
+    return known
 
 
 def _result_dtype(a: Partial, b: Partial):
@@ -453,10 +537,27 @@ MAX_DEPTH = 32
 
 
 def _bounded(x: Partial) -> Partial:
-    """``x``, its functions replaced by replays of their equations where they nest too deeply."""
+    """``x``, its functions replaced by replays of their equations where they nest too deeply.
+
+    A direction that applies more maps than :data:`MAX_REPLAYED` (maps shared on the other side,
+    see :func:`_applications`) is left as it is: traced, it would take as long as applying it.
+    """
     if not isinstance(x, Linear) or x.depth <= MAX_DEPTH or x.abstract:
         return x
-    return replace(x, fn=_replayed(x.fn, x._in_struct()), fn_t=_replayed(x.fn_t, x._out_struct()), depth=0)
+    forward = x.fn is not None and _applications(x, True, MAX_REPLAYED) <= MAX_REPLAYED
+    backward = x.fn_t is not None and _applications(x, False, MAX_REPLAYED) <= MAX_REPLAYED
+    fn = _replayed(x.fn, x._in_struct()) if forward else x.fn
+    fn_t = _replayed(x.fn_t, x._out_struct()) if backward else x.fn_t
+    # a replay applies no other maps: only the calls of a direction left as it is remain
+    calls = tuple((callee, _UNCALLED if forward else f, _UNCALLED if backward else b) for callee, f, b in x.calls)
+    return replace(x, fn=fn, fn_t=fn_t, depth=0, calls=tuple(c for c in calls if c[1:] != (_UNCALLED, _UNCALLED)))
+
+
+#: :func:`_bounded` replays a direction of a deep composition that applies at most this many maps
+MAX_REPLAYED = 1 << 12
+
+#: in :attr:`Linear.calls`: the direction does not apply the map
+_UNCALLED = object()
 
 
 def _replayed(f: Optional[Callable], argument) -> Optional[Callable]:
@@ -786,13 +887,16 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
             pushed = fb(pushed)
         scale = pushed * b.scale if b.has_scale else pushed
     fn_t = None
-    if a.fn_t is not None and b.fn_t is not None:
+    if _transposable(a) and _transposable(b):
+        ga, gb = a.backward(), b.backward()
         if embed:
-            fn_t = lambda c: a.fn_t(a.scale * b.fn_t(c))  # noqa: E731
+            fn_t = lambda c: ga(a.scale * gb(c))  # noqa: E731
         else:
-            fn_t = lambda c: a.fn_t(b.fn_t(c))  # noqa: E731
+            fn_t = lambda c: ga(gb(c))  # noqa: E731
+    inner = object() if embed else a  # what b's argument is made from: new per composition, or a's result
+    calls = ((a, None, object() if embed else b), (b, inner, None))
     depth = max(a.depth, b.depth) + 1
-    return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=depth)), cost
+    return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=depth, calls=calls)), cost
 
 
 def _zero_where_unselected(x: Linear) -> Linear:
@@ -840,11 +944,14 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         tr, untr = _transposer(b.pairs), _untransposer(b.pairs)
         fa = a.forward()
         fn = lambda t: tr(fa(t))  # noqa: E731
-        fn_t = None if a.fn_t is None else (lambda c: a.fn_t(untr(c)))
+        ga = a.backward() if _transposable(a) else None
+        fn_t = None if ga is None else (lambda c: ga(untr(c)))
         scale = tr(jnp.broadcast_to(a.scale, a.out_shape)) if a.has_scale else None
         if not b.unit:
             scale = b.val if scale is None else scale * b.val
-        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=a.depth + 1)), cost
+        calls = ((a, None, None if b.pairs == tuple(range(len(b.pairs))) else object()),)
+        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=a.depth + 1,
+                                              calls=calls)), cost
     # general: rows of b (dense over v) pulled back through a^T
     rows = b.unpair(range(len(b.out_shape)))
     nw = len(b.out_shape)
@@ -982,17 +1089,20 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
             return result, cost
         tr, untr = _transposer(a.pairs), _untransposer(a.pairs)
         fb = b.forward()
+        gb = b.backward() if _transposable(b) else None
         if embed:
             fn = lambda t: fb(a.val * tr(t))  # noqa: E731
-            fn_t = None if b.fn_t is None else (lambda c: untr(a.val * b.fn_t(c)))
+            fn_t = None if gb is None else (lambda c: untr(a.val * gb(c)))
         else:
             fn = lambda t: fb(tr(t))  # noqa: E731
-            fn_t = None if b.fn_t is None else (lambda c: untr(b.fn_t(c)))
+            fn_t = None if gb is None else (lambda c: untr(gb(c)))
         scale = b.scale
         if push:
             pushed = fb(jnp.broadcast_to(a.val, a.out_shape).astype(b.dtype))
             scale = pushed * b.scale if b.has_scale else pushed
-        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=b.depth + 1)), cost
+        calls = ((b, None if not embed and a.pairs == tuple(range(len(a.pairs))) else object(), None),)
+        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=b.depth + 1,
+                                              calls=calls)), cost
     # general: columns of a (dense over v) pushed through b
     cols = a.unpair(range(len(a.out_shape)))
     nv = len(a.out_shape)
@@ -1088,9 +1198,16 @@ def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
                     opaque=x.opaque or y.opaque)
     if x.abstract or y.abstract:
         return result, cost
+    x.forward(), y.forward()  # derived, where they are, in the trace x and y were made in
     fn = lambda t: x.apply(t) + y.apply(t)  # noqa: E731
-    fn_t = lambda c: x.apply_t(c) + y.apply_t(c)  # noqa: E731
-    return replace(result, fn=fn, fn_t=fn_t, depth=max(x.depth, y.depth) + 1), cost
+    fn_t = (lambda c: x.apply_t(c) + y.apply_t(c)) if _transposable(x) and _transposable(y) else None  # noqa: E731
+    return replace(result, fn=fn, fn_t=fn_t, depth=max(x.depth, y.depth) + 1, calls=_summed_calls((x, y))), cost
+
+
+def _summed_calls(terms) -> tuple:
+    """:attr:`Linear.calls` of the sum of ``terms``: each applied forward to the sum's argument, and
+    backward to it times the term's scale (one product per scale, see :func:`_scaled`)."""
+    return tuple((t, None, t.scale if t.has_scale else None) for t in terms)
 
 
 def _full_scale(part: Linear, dtype):
@@ -1165,7 +1282,8 @@ def _sum_of_parts(parts: tuple, dtype, stacked=None) -> Linear:
         return result
     fn = lambda t: functools.reduce(lax.add, [cast(p.apply(t), dtype) for p in parts])  # noqa: E731
     fn_t = lambda c: functools.reduce(lax.add, [cast(p.apply_t(c), dtype) for p in parts])  # noqa: E731
-    return replace(result, fn=fn, fn_t=fn_t, stacked=stacked, depth=max(p.depth for p in parts) + 1)
+    return replace(result, fn=fn, fn_t=fn_t, stacked=stacked, depth=max(p.depth for p in parts) + 1,
+                   calls=_summed_calls(parts))
 
 
 def selection_from_index(out_shape, in_shape, index: np.ndarray, dtype) -> Linear:

@@ -662,9 +662,44 @@ def custom_vjp(eqn, invals, outvals, wrt):
                        for m in range(len(outvals))]
                 return pullback(cts if eqn.primitive.multiple_results else cts[0])[0]
 
+            _require_linear(eqn, fn_t, jax.ShapeDtypeStruct(_shape(y), jax.typeof(y).dtype))
             result.append((i, k, Linear(_shape(y), _shape(invals[i]), np.dtype(jax.typeof(y).dtype),
                                         fn_t=fn_t, opaque=True)))
     return result
+
+
+def _require_linear(eqn, fn_t, out_struct) -> None:
+    """Raise unless the VJP ``fn_t`` is linear in its cotangent, as JAX can tell by transposing it.
+
+    A ``custom_vjp`` backward rule may be any function of the cotangent (gradient clipping:
+    ``clip(g, lo, hi)``). ``jax.jacrev`` applies it to each output's own cotangent, elimination to
+    unit cotangents at this equation, so the Jacobians would differ where it is not linear. Where JAX
+    cannot transpose it because it loops (``while``: ``odeint``'s backward pass), linearity cannot
+    be told and the rule is taken as linear.
+    """
+    try:
+        jax.eval_shape(jax.linear_transpose(fn_t, out_struct), jax.eval_shape(fn_t, out_struct))
+    except Exception as error:  # noqa: BLE001 - a nonlinear operation on the cotangent, or a loop
+        if any(e.primitive.name == "while" for e in _all_eqns(jax.make_jaxpr(fn_t)(out_struct).jaxpr)):
+            return
+        raise UnsupportedError(
+            f"the backward rule of '{eqn.name}' is not linear in its cotangent "
+            f"({str(error).splitlines()[0]}): jax.jacrev applies it to each output's cotangent, vertex "
+            "elimination to unit cotangents at this equation, so their Jacobians would differ",
+            primitive=eqn.name, location=eqn.location()) from error
+
+
+def _all_eqns(jaxpr) -> list:
+    """The equations of ``jaxpr`` and of the jaxprs nested in their parameters."""
+    found = []
+    for e in jaxpr.eqns:
+        found.append(e)
+        for value in e.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found.extend(_all_eqns(inner))
+    return found
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import pathlib
@@ -620,6 +621,28 @@ def test_custom_vjp_rules_jax_cannot_transpose_or_that_index_constants():
     assert_same_jacobian(jax.jit(jaxtool.jacve(f, order="fwd", argnums=(0, 1)))(*args), want, rtol=1e-4, atol=1e-5)
 
 
+def test_a_custom_vjp_rule_not_linear_in_its_cotangent_is_refused():
+    # gradient clipping (JAX's custom_vjp documentation): jax.jacrev clips each output's cotangent
+    # (3 e_i here), elimination would pull back unit cotangents and get 3 cos(x) unclipped, silently
+    # (max error 0.19 before). A rule linear in its cotangent still gives jax.jacrev's Jacobian.
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+    def clip_gradient(lo, hi, x):
+        return x
+
+    clip_gradient.defvjp(lambda lo, hi, x: (x, None), lambda lo, hi, _, g: (jnp.clip(g, lo, hi),))
+    for order in ("fwd", "rev"):
+        with pytest.raises(UnsupportedError, match="custom_vjp_call.*not linear in its cotangent"):
+            jaxtool.jacve(lambda x: 3.0 * clip_gradient(-0.1, 0.1, jnp.sin(x)), order=order)(X[:3])
+
+    @jax.custom_vjp
+    def straight_through_sign(x):
+        return jnp.sign(x)
+
+    straight_through_sign.defvjp(lambda x: (jnp.sign(x), None), lambda _, g: (2.0 * g,))
+    f = lambda x: straight_through_sign(x) * jnp.sin(x)  # noqa: E731
+    assert_orders_match(f, (X[:3],), 0, jax.jacrev(f)(X[:3]), lambda p: ["fwd", "rev", "markowitz"], rtol=1e-5, atol=1e-6)
+
+
 def test_diagonal_times_slice_is_a_scaled_slice():
     problem = trace_problem(lambda x: jnp.sin(x)[1:4], X)
     run(problem, resolve_order("fwd", problem))
@@ -732,15 +755,20 @@ def _sort_and_rolls(x, steps):
 def test_lazy_maps_that_share_a_map_apply_it_once():
     # in forward order every step's edge applies the previous step's edge three times to the same
     # tangent. Applied as a tree, the traced Jacobian grew about sixfold per step (six steps traced
-    # for 25 s, seven for 141 s); applied once per argument, it grows with the steps (194 -> 594
-    # equations from four to eight steps)
+    # for 25 s, seven for 141 s); applied once per argument, it grows with the steps (222 -> 540
+    # equations from four to six steps). In reverse order the shared map is the next step's edge to
+    # the output, applied once backward (to one cotangent) but once per path forward: densified
+    # forward, and transposed through its whole forward map, it grew fivefold per step (2908 -> 14173
+    # from four to five steps); now it is densified backward, its transpose made of its factors'
+    # (225 -> 823 from four to six steps)
     x = jnp.linspace(0.1, 1.0, 16)
 
-    def equations(steps):
-        jacobian = jaxtool.jacve(lambda v: _sort_and_rolls(v, steps), order="fwd")
+    def equations(steps, order):
+        jacobian = jaxtool.jacve(lambda v: _sort_and_rolls(v, steps), order=order)
         return _count_equations(jax.make_jaxpr(jacobian)(x).jaxpr)
 
-    assert equations(8) < 5 * equations(4)
+    for order in ("fwd", "rev", "markowitz"):
+        assert equations(6, order) < 5 * equations(4, order), order
     fun = lambda v: _sort_and_rolls(v, 4)  # noqa: E731
     assert_orders_match(fun, (x,), 0, jax.jacfwd(fun)(x), lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 2, seed=3),
                         rtol=1e-5, atol=1e-6)
