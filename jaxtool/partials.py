@@ -363,13 +363,14 @@ class Linear(Partial):
         derived = self.__dict__.get("derived_fn")  # kept, so that it too is applied once per argument
         if derived is None:
             transposed = jax.linear_transpose(self.fn_t, self._out_struct())
+            takes = jax.eval_shape(self.fn_t, self._out_struct()).dtype  # the dtype fn_t's cotangents have
             try:
-                jax.eval_shape(transposed, self._in_struct())
+                jax.eval_shape(transposed, jax.ShapeDtypeStruct(self.in_shape, takes))
             except Exception:  # noqa: BLE001 - a VJP JAX cannot transpose (odeint's calls odeint): by rows
                 dense = replace(self, scale=None, has_scale=False).to_dense()
                 derived = _once_per_argument(lambda t: jnp.tensordot(dense, t, axes=len(self.in_shape)))
             else:
-                derived = _once_per_argument(lambda t: transposed(t)[0])
+                derived = _once_per_argument(lambda t: transposed(cast(t, takes))[0])
             object.__setattr__(self, "derived_fn", derived)
         return derived
 
@@ -380,7 +381,8 @@ class Linear(Partial):
         derived = self.__dict__.get("derived_fn_t")
         if derived is None:
             transposed = jax.linear_transpose(self.fn, self._in_struct())
-            derived = _once_per_argument(lambda c: transposed(c)[0])
+            gives = jax.eval_shape(self.fn, self._in_struct()).dtype  # the dtype fn's tangents have
+            derived = _once_per_argument(lambda c: transposed(cast(c, gives))[0])
             object.__setattr__(self, "derived_fn_t", derived)
         return derived
 

@@ -377,10 +377,18 @@ def dot_general(eqn, invals, outvals, wrt):
 # lazily applied linear maps
 
 
+def _as_dtype_of(t, x):
+    """Tangent (or cotangent) ``t`` in the dtype of the equation's value ``x``, as JAX's rules take
+    it: the graph carries it in its partials' common dtype (float32 where a program casts a value to
+    bfloat16 and back)."""
+    return t.astype(jax.typeof(x).dtype) if t.dtype != jax.typeof(x).dtype else t
+
+
 def _linear_from_jvp(eqn, invals, outvals, i, k, *, selection, flops, opaque, carrying=()):
     y = outvals[k]
     return Linear(_shape(y), _shape(invals[i]), np.dtype(jax.typeof(y).dtype),
-                  fn=lambda t: _jvp_at(eqn, invals, i, t, carrying)[k], selection=selection, flops=flops,
+                  fn=lambda t: _jvp_at(eqn, invals, i, _as_dtype_of(t, invals[i]), carrying)[k], selection=selection,
+                  flops=flops,
                   opaque=opaque)
 
 
@@ -390,7 +398,7 @@ def _linear_by_bind(eqn, invals, outvals, i, k):
     params = _zero_fill(eqn.params)
 
     def fn(t):
-        args = [t if j == i else (jnp.zeros_like(x) if is_differentiable(jax.typeof(x)) else x)
+        args = [_as_dtype_of(t, x) if j == i else (jnp.zeros_like(x) if is_differentiable(jax.typeof(x)) else x)
                 for j, x in enumerate(invals)]
         out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
         return out[k] if eqn.primitive.multiple_results else out
@@ -658,7 +666,7 @@ def custom_vjp(eqn, invals, outvals, wrt):
             y = outvals[k]
 
             def fn_t(c, k=k, pullback=pullback):
-                cts = [jnp.zeros(_shape(outvals[m]), jax.typeof(outvals[m]).dtype) if m != k else c
+                cts = [jnp.zeros(_shape(outvals[m]), jax.typeof(outvals[m]).dtype) if m != k else _as_dtype_of(c, y)
                        for m in range(len(outvals))]
                 return pullback(cts if eqn.primitive.multiple_results else cts[0])[0]
 

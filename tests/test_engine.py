@@ -643,6 +643,30 @@ def test_a_custom_vjp_rule_not_linear_in_its_cotangent_is_refused():
     assert_orders_match(f, (X[:3],), 0, jax.jacrev(f)(X[:3]), lambda p: ["fwd", "rev", "markowitz"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["sort", "top_k", "max_pool", "cond", "conv", "conv_to_float32", "scan"])
+def test_lazily_applied_partials_of_narrow_floats_inside_a_float32_program(name):
+    # a value cast to bfloat16 and back: the graph carries float32 tangents, JAX's rules of the
+    # bfloat16 equations take bfloat16 ones (a raw TypeError from jax.jvp or linear_transpose before)
+    def bf(a):
+        return a.astype(jnp.bfloat16)
+
+    kernel = jnp.full((1, 1, 2, 2), 0.5, jnp.bfloat16)
+    fun = {
+        "sort": lambda a: jnp.sort(bf(a), axis=1),
+        "top_k": lambda a: lax.top_k(bf(a), 2)[0],
+        "max_pool": lambda a: lax.reduce_window(bf(a), -jnp.inf, lax.max, (1, 2), (1, 1), "VALID"),
+        "cond": lambda a: lax.cond(a[0, 0] < 0, jnp.sin, jnp.cos, bf(a)),
+        "conv": lambda a: lax.conv_general_dilated(bf(a)[None, None], kernel, (1, 1), "SAME"),
+        "conv_to_float32": lambda a: lax.conv_general_dilated(bf(a)[None, None], kernel, (1, 1), "SAME",
+                                                              preferred_element_type=jnp.float32),
+        "scan": lambda a: lax.scan(lambda c, r: (jnp.tanh(c * r), c), bf(a[0]), bf(a))[1],
+    }[name]
+    f = lambda a: fun(a).astype(jnp.float32) * a.sum()  # noqa: E731
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    assert_orders_match(f, (x,), 0, jax.jacrev(f)(x), lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 1, seed=2),
+                        rtol=2e-2, atol=2e-2)  # bfloat16 rounding, in another order than jax.jacrev's
+
+
 def test_diagonal_times_slice_is_a_scaled_slice():
     problem = trace_problem(lambda x: jnp.sin(x)[1:4], X)
     run(problem, resolve_order("fwd", problem))
