@@ -137,7 +137,7 @@ def build(program: FlatProgram, args, wrt) -> Problem:
     n = program.num_vertices
     active = {input_node(i) for i in wrt}
     for eqn in program.eqns:
-        if any(_node(a) in active for a in eqn.invars):
+        if any(_node(a) in active for a in eqn.invars) and not cuts_derivative(eqn):
             active.update(v for v in eqn.outvars if carries_tangent(program.avals[v]))
     out_nodes = [_node(a) for a in program.outvars]
     useful = {v for v in out_nodes if v is not None}

@@ -135,11 +135,11 @@ def _float_outputs(outvals):
 # elementwise: diagonal partials, values from a JVP with a tangent of ones
 
 ELEMENTWISE = [
-    P.max_p, P.min_p, P.abs_p, P.sign_p, P.exp_p,
+    P.max_p, P.min_p, P.abs_p, P.exp_p,
     P.exp2_p, P.expm1_p, P.log_p, P.log1p_p, P.sin_p, P.cos_p, P.tan_p, P.asin_p, P.acos_p,
     P.atan_p, P.atan2_p, P.sinh_p, P.cosh_p, P.tanh_p, P.asinh_p, P.acosh_p, P.atanh_p,
     P.logistic_p, P.sqrt_p, P.rsqrt_p, P.cbrt_p, P.pow_p, P.integer_pow_p, P.square_p, P.erf_p,
-    P.erfc_p, P.erf_inv_p, P.select_n_p, P.rem_p, P.round_p, P.floor_p, P.ceil_p,
+    P.erfc_p, P.erf_inv_p, P.select_n_p, P.rem_p,
     P.lgamma_p, P.digamma_p, P.igamma_p, P.igammac_p, P.nextafter_p, P.reduce_precision_p,
     P.bessel_i0e_p, P.bessel_i1e_p, P.polygamma_p, P.zeta_p,
 ]
@@ -225,8 +225,12 @@ def identity(eqn, invals, outvals, wrt):
     return [(i, 0, Sparse.identity(_shape(outvals[0]), jax.typeof(outvals[0]).dtype)) for i in wrt]
 
 
-@register(P.stop_gradient_p)
+@register(P.stop_gradient_p, P.sign_p, P.round_p, P.floor_p, P.ceil_p)
 def no_derivative(eqn, invals, outvals, wrt):
+    """No partial: ``stop_gradient``, and the piecewise-constant ops whose JVP JAX defines as a
+    symbolic zero (``sign``, ``round``, ``floor``, ``ceil``). Cut, as ``jax.jacrev`` cuts them,
+    an infinite partial behind one (``sqrt(round(x))`` at 0) meets no explicit zero to make a NaN
+    with, and what only they read is not differentiated at all."""
     return []
 
 
