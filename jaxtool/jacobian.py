@@ -241,11 +241,13 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     return jacobian_staged
 
 
-def trace_problem(fun, *args, argnums=0) -> Problem:
-    """The elimination problem of ``fun`` at ``args``: its graph of partials and eliminable vertices.
+def trace_problem(fun, *args, argnums=0, has_aux=False) -> Problem:
+    """The elimination problem of ``fun`` at ``args``: its graph of partials and eliminable vertices
+    (with ``has_aux``, ``fun`` returns ``(output, aux)`` as for :func:`jacve`: array aux leaves are
+    outputs of the program too, as in the program ``jacve`` eliminates).
 
     ``problem.eliminable`` lists the vertices a custom order must permute;
     ``jaxtool.elimination.run(problem.plan(), order)`` costs an order without computing values.
     """
-    program, values, wrt, *_ = _trace(fun, args, {}, _positions(argnums), False, INTEGERS)
+    program, values, wrt, *_ = _trace(fun, args, {}, _positions(argnums), has_aux, INTEGERS)
     return build(program, values, wrt)

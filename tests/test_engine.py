@@ -203,6 +203,18 @@ def test_argnums_has_aux_and_pytrees_match_jacrev_structure():
         want = jax.jacrev(f, argnums=argnums, has_aux=True)(*args)
         assert_same_jacobian(got, want, rtol=1e-5, atol=1e-6)
 
+    # the vertices of a custom order for a function with aux (a string among it: a raw TypeError
+    # from trace_problem before, which had no has_aux)
+    def g(x):
+        return jnp.sin(x) * x, {"note": "per call", "total": jnp.cos(x).sum()}
+
+    problem = trace_problem(g, X, has_aux=True)
+    order = random_orders(problem, 1, seed=5)[0]
+    got, aux = jaxtool.jacve(g, order=order, has_aux=True)(X)
+    want, want_aux = jax.jacrev(g, has_aux=True)(X)
+    assert_same_jacobian(got, want, rtol=1e-5, atol=1e-6)
+    assert aux["note"] == "per call" and np.allclose(aux["total"], want_aux["total"])
+
 
 def test_vertex_numbers_do_not_depend_on_how_non_differentiated_arguments_arrive():
     # a NumPy array not differentiated is an input of the traced program, not a constant folded
