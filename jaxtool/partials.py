@@ -539,20 +539,36 @@ MAX_DEPTH = 32
 
 
 def _bounded(x: Partial) -> Partial:
-    """``x``, its functions replaced by replays of their equations where they nest too deeply.
+    """``x`` nesting at most :data:`MAX_DEPTH` deep: where it nests deeper, the Linears it applies
+    that nest that deep are replaced, in place, by replays of their equations (:func:`_replay`).
 
-    A direction that applies more maps than :data:`MAX_REPLAYED` (maps shared on the other side,
-    see :func:`_applications`) is left as it is: traced, it would take as long as applying it.
+    In place, so that every composition sharing such a map applies the one replay (the products of
+    one edge with each of its successors, made in turn), instead of each tracing it into its own.
     """
     if not isinstance(x, Linear) or x.depth <= MAX_DEPTH or x.abstract:
         return x
+    callees = {id(c): c for c, *_ in x.calls}.values()
+    for callee in callees:
+        if callee.depth >= MAX_DEPTH:
+            _replay(callee)
+    return replace(x, depth=max(c.depth for c in callees) + 1)
+
+
+def _replay(x: Linear) -> None:
+    """Replace ``x``'s functions by replays of their equations (the same maps; the Linears that
+    apply ``x`` look its functions up when they apply them). A direction that applies more maps
+    than :data:`MAX_REPLAYED` (maps shared on the other side, see :func:`_applications`) is left as
+    it is: traced, it would take as long as applying it."""
     forward = x.fn is not None and _applications(x, True, MAX_REPLAYED) <= MAX_REPLAYED
     backward = x.fn_t is not None and _applications(x, False, MAX_REPLAYED) <= MAX_REPLAYED
-    fn = _replayed(x.fn, x._in_struct()) if forward else x.fn
-    fn_t = _replayed(x.fn_t, x._out_struct()) if backward else x.fn_t
+    if forward:
+        object.__setattr__(x, "fn", _once_per_argument(_replayed(x.fn, x._in_struct())))
+    if backward:
+        object.__setattr__(x, "fn_t", _once_per_argument(_replayed(x.fn_t, x._out_struct())))
     # a replay applies no other maps: only the calls of a direction left as it is remain
     calls = tuple((callee, _UNCALLED if forward else f, _UNCALLED if backward else b) for callee, f, b in x.calls)
-    return replace(x, fn=fn, fn_t=fn_t, depth=0, calls=tuple(c for c in calls if c[1:] != (_UNCALLED, _UNCALLED)))
+    object.__setattr__(x, "calls", tuple(c for c in calls if c[1:] != (_UNCALLED, _UNCALLED)))
+    object.__setattr__(x, "depth", 0)
 
 
 #: :func:`_bounded` replays a direction of a deep composition that applies at most this many maps
@@ -873,11 +889,13 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
                     opaque=a.opaque or b.opaque, index=index)
     if a.abstract or b.abstract:
         return result, cost
-    fa, fb = a.forward(), b.forward()
+    # (each factor's functions looked up when applied: _bounded may replace them by replays)
+    fb = b.forward()  # (derived here, in the trace a and b were made in, where only fn_t is known)
+    a.forward()
     if embed:
-        fn = lambda t: fb(a.scale * fa(t))  # noqa: E731
+        fn = lambda t: b.forward()(a.scale * a.forward()(t))  # noqa: E731
     else:
-        fn = lambda t: fb(fa(t))  # noqa: E731
+        fn = lambda t: b.forward()(a.forward()(t))  # noqa: E731
     scale = b.scale
     if push:
         pushed = _broadcast_to(a.scale, a.out_shape).astype(a.dtype)
@@ -890,11 +908,10 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
         scale = pushed * b.scale if b.has_scale else pushed
     fn_t = None
     if _transposable(a) and _transposable(b):
-        ga, gb = a.backward(), b.backward()
         if embed:
-            fn_t = lambda c: ga(a.scale * gb(c))  # noqa: E731
+            fn_t = lambda c: a.backward()(a.scale * b.backward()(c))  # noqa: E731
         else:
-            fn_t = lambda c: ga(gb(c))  # noqa: E731
+            fn_t = lambda c: a.backward()(b.backward()(c))  # noqa: E731
     inner = object() if embed else a  # what b's argument is made from: new per composition, or a's result
     calls = ((a, None, object() if embed else b), (b, inner, None))
     depth = max(a.depth, b.depth) + 1
@@ -944,10 +961,9 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         if a.abstract or b.abstract:
             return result, cost
         tr, untr = _transposer(b.pairs), _untransposer(b.pairs)
-        fa = a.forward()
-        fn = lambda t: tr(fa(t))  # noqa: E731
-        ga = a.backward() if _transposable(a) else None
-        fn_t = None if ga is None else (lambda c: ga(untr(c)))
+        a.forward()  # (derived here, in the trace a was made in, where only fn_t is known)
+        fn = lambda t: tr(a.forward()(t))  # noqa: E731
+        fn_t = (lambda c: a.backward()(untr(c))) if _transposable(a) else None
         scale = tr(jnp.broadcast_to(a.scale, a.out_shape)) if a.has_scale else None
         if not b.unit:
             scale = b.val if scale is None else scale * b.val
@@ -1090,14 +1106,14 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
         if a.abstract or b.abstract:
             return result, cost
         tr, untr = _transposer(a.pairs), _untransposer(a.pairs)
-        fb = b.forward()
-        gb = b.backward() if _transposable(b) else None
+        fb = b.forward()  # (derived here, in the trace b was made in, where only fn_t is known)
+        transposable = _transposable(b)
         if embed:
-            fn = lambda t: fb(a.val * tr(t))  # noqa: E731
-            fn_t = None if gb is None else (lambda c: untr(a.val * gb(c)))
+            fn = lambda t: b.forward()(a.val * tr(t))  # noqa: E731
+            fn_t = (lambda c: untr(a.val * b.backward()(c))) if transposable else None
         else:
-            fn = lambda t: fb(tr(t))  # noqa: E731
-            fn_t = None if gb is None else (lambda c: untr(gb(c)))
+            fn = lambda t: b.forward()(tr(t))  # noqa: E731
+            fn_t = (lambda c: untr(b.backward()(c))) if transposable else None
         scale = b.scale
         if push:
             pushed = fb(jnp.broadcast_to(a.val, a.out_shape).astype(b.dtype))
