@@ -237,14 +237,35 @@ def _np_broadcast_in_dim(x, *, shape, broadcast_dimensions, **_):
 PRIMAL_RULES = {"dot_general": partials.dot_general}
 
 #: NumPy forms of integer and boolean primitives, for values computed from constants (see :func:`evaluate`)
+def _np_elementwise(function):
+    """A NumPy elementwise function as a rule: the equation's params (``mul``'s ``out_dtype``) are
+    not NumPy's; the result takes the equation's dtype in :func:`_in_numpy`."""
+    return lambda *xs, **_: function(*xs)
+
+
+def _np_convert(x, *, new_dtype, **_):
+    """``convert_element_type`` as XLA converts: floats to integers saturate at the integer type's
+    range and NaN becomes 0 (NumPy's cast gives the least integer, or wraps, for those)."""
+    if np.issubdtype(x.dtype, np.floating) and np.issubdtype(new_dtype, np.integer):
+        bounds = np.iinfo(new_dtype)
+        whole = np.trunc(np.nan_to_num(np.asarray(x, np.float64), nan=0.0, posinf=np.inf, neginf=-np.inf))
+        high, low = whole >= float(bounds.max), whole <= float(bounds.min)
+        out = np.where(high | low, 0, whole).astype(new_dtype)  # (the bounds themselves may not be floats)
+        out[high], out[low] = bounds.max, bounds.min
+        return out
+    return x
+
+
 NUMPY_RULES = {
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
-    "neg": np.negative, "abs": np.abs, "sign": np.sign, "rem": np.fmod,
-    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal,
-    "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor, "not": np.invert,
+    **{name: _np_elementwise(function) for name, function in {
+        "add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
+        "neg": np.negative, "abs": np.abs, "sign": np.sign, "rem": np.fmod,
+        "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
+        "ne": np.not_equal, "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor, "not": np.invert,
+    }.items()},
     "select_n": _np_select_n,
     "clamp": lambda lo, x, hi: np.clip(x, lo, hi),
-    "convert_element_type": lambda x, **_: x,
+    "convert_element_type": _np_convert,
     "iota": _np_iota,
     "broadcast_in_dim": _np_broadcast_in_dim,
     "reshape": lambda x, *, new_sizes, dimensions, **_: np.reshape(x, new_sizes) if dimensions is None else None,

@@ -64,6 +64,10 @@ def _trace(fun, args, kwargs, positions, has_aux, static_kinds):
             full[n] = value
         call_args, call_kwargs = jax.tree_util.tree_unflatten(call_tree, full)
         result = fun(*call_args, **call_kwargs)
+        if has_aux and not (isinstance(result, (tuple, list)) and len(result) == 2):
+            raise TypeError("expected a function with aux output (has_aux=True) to return a two-element "
+                            f"tuple (output, aux), but got {'an array' if hasattr(result, 'shape') else type(result).__name__}"
+                            + (f" of length {len(result)}" if isinstance(result, (tuple, list)) else ""))
         out, aux = result if has_aux else (result, None)
         out_leaves, trees["out"] = jax.tree_util.tree_flatten(out)
         aux_leaves, trees["aux"] = jax.tree_util.tree_flatten(aux)

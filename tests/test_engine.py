@@ -208,6 +208,9 @@ def test_argnums_has_aux_and_pytrees_match_jacrev_structure():
     def g(x):
         return jnp.sin(x) * x, {"note": "per call", "total": jnp.cos(x).sum()}
 
+    for not_a_pair in (lambda x: x * 2.0, lambda x: (x, x, x)):  # as jax.jacrev: an error, not out[0] and out[1]
+        with pytest.raises(TypeError, match="two-element tuple"):
+            jaxtool.jacve(not_a_pair, has_aux=True)(X)
     problem = trace_problem(g, X, has_aux=True)
     order = random_orders(problem, 1, seed=5)[0]
     got, aux = jaxtool.jacve(g, order=order, has_aux=True)(X)
@@ -437,6 +440,13 @@ KNOWN_INDICES = {
     "negative gather indices": lambda x: jnp.exp(x)[np.array([-1, -3, 0, 4])] * x[:4],
     "interp on a constant grid": lambda x: jnp.interp(jnp.linspace(0.0, 1.0, 7), jnp.linspace(0.0, 1.0, 25), jnp.sin(x)),
     "triu mask from iota": lambda x: jnp.triu(jnp.exp(x.reshape(5, 5))),
+    # integer products of constants (mul has an out_dtype param NumPy does not take: a raw TypeError)
+    "strided indices": lambda x: jnp.sin(x[jnp.arange(0, 25, 3)]) * x[2 * jnp.arange(9) + 1],
+    "mask product": lambda x: x * ((jnp.arange(25) % 2) * (jnp.arange(25) > 2)),
+    # floats cast to indices as XLA casts them: saturated, NaN to 0 (NumPy wrapped: another element)
+    "saturating index casts": lambda x: x[jnp.clip(jnp.asarray(np.array([np.nan, 1e10, -1e10, 2.0, -3.7], np.float32))
+                                                   .astype(jnp.int32), 0, 24)]
+    * x[jnp.minimum(jnp.asarray(np.array([-3.0, 2.0, 300.0, 7.9, np.nan], np.float32)).astype(jnp.uint8), 24)],
 }
 
 
