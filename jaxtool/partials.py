@@ -259,7 +259,8 @@ def _once_per_argument(f: Optional[Callable]) -> Optional[Callable]:
     of two maps that both apply the previous step's edge to the same tangent. Applied as a tree,
     that is exponential in the number of steps (seven steps of ``sort(x) + roll(x) + roll(x, -1)``
     traced for 141 s); applied once per argument it is as large as the DAG. (Maps shared on the
-    output side, as in reverse order, get a different argument on each path: not shared yet.)
+    output side, as in reverse order, get one argument backward, a different one per path forward:
+    see :func:`_densify_forward`.)
     """
     if f is None or getattr(f, "once_per_argument", False):
         return f
@@ -551,7 +552,7 @@ def _bounded(x: Partial) -> Partial:
     for callee in callees:
         if callee.depth >= MAX_DEPTH:
             _replay(callee)
-    return replace(x, depth=max(c.depth for c in callees) + 1)
+    return replace(x, depth=max((c.depth for c in callees), default=-1) + 1)
 
 
 def _replay(x: Linear) -> None:
