@@ -28,8 +28,9 @@ from jax.extend.core import primitives as P
 from jaxtool._compat import split_p
 from jaxtool.errors import UnsupportedError
 from jaxtool.graph import NUMPY_RULES, FlatEqn, bind
-from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, reshaped, selection_from_index,
+from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, cast, reshaped, selection_from_index,
                               sum_of_selections)
+from jaxtool.printing import subjaxprs
 
 Rule = Callable  # (eqn, invals, outvals, wrt) -> list[(int, int, Partial)]
 RULES: dict = {}
@@ -385,7 +386,7 @@ def _as_dtype_of(t, x):
     """Tangent (or cotangent) ``t`` in the dtype of the equation's value ``x``, as JAX's rules take
     it: the graph carries it in its partials' common dtype (float32 where a program casts a value to
     bfloat16 and back)."""
-    return t.astype(jax.typeof(x).dtype) if t.dtype != jax.typeof(x).dtype else t
+    return cast(t, jax.typeof(x).dtype)
 
 
 def _linear_from_jvp(eqn, invals, outvals, i, k, *, selection, flops, opaque, carrying=()):
@@ -692,7 +693,7 @@ def _require_linear(eqn, fn_t, out_struct) -> None:
     try:
         jax.eval_shape(jax.linear_transpose(fn_t, out_struct), jax.eval_shape(fn_t, out_struct))
     except Exception as error:  # noqa: BLE001 - a nonlinear operation on the cotangent, or a loop
-        if any(e.primitive.name == "while" for e in _all_eqns(jax.make_jaxpr(fn_t)(out_struct).jaxpr)):
+        if _loops(jax.make_jaxpr(fn_t)(out_struct).jaxpr):
             return
         raise UnsupportedError(
             f"the backward rule of '{eqn.name}' is not linear in its cotangent "
@@ -701,17 +702,10 @@ def _require_linear(eqn, fn_t, out_struct) -> None:
             primitive=eqn.name, location=eqn.location()) from error
 
 
-def _all_eqns(jaxpr) -> list:
-    """The equations of ``jaxpr`` and of the jaxprs nested in their parameters."""
-    found = []
-    for e in jaxpr.eqns:
-        found.append(e)
-        for value in e.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found.extend(_all_eqns(inner))
-    return found
+def _loops(jaxpr) -> bool:
+    """Whether ``jaxpr``, or a jaxpr nested in it, has a ``while``."""
+    return any(e.primitive.name == "while" or any(_loops(sub) for _, _, sub in subjaxprs(e.params))
+               for e in jaxpr.eqns)
 
 
 # --------------------------------------------------------------------------------------------
