@@ -251,7 +251,8 @@ def shared_applications():
         state.results = None
 
 
-def _once_per_argument(f: Optional[Callable]) -> Optional[Callable]:
+def _once_per_argument(f: Optional[Callable], owner: Optional["Linear"] = None,
+                       forward: bool = True) -> Optional[Callable]:
     """``f`` (a Linear's ``fn`` or ``fn_t``) evaluated at most once per argument object while
     results are kept (see :func:`shared_applications`).
 
@@ -261,6 +262,9 @@ def _once_per_argument(f: Optional[Callable]) -> Optional[Callable]:
     traced for 141 s); applied once per argument it is as large as the DAG. (Maps shared on the
     output side, as in reverse order, get one argument backward, a different one per path forward:
     see :func:`_densify_forward`.)
+
+    ``owner``: the Linear whose function (``fn`` if ``forward``, else ``fn_t``) ``f`` is; the maps
+    it applies to arguments known beforehand are then applied first, deepest first (:func:`_warm`).
     """
     if f is None or getattr(f, "once_per_argument", False):
         return f
@@ -270,11 +274,59 @@ def _once_per_argument(f: Optional[Callable]) -> Optional[Callable]:
             results = _APPLICATIONS.results
             key = (id(applied), id(t))
             if key not in results:
+                if owner is not None and owner.calls:
+                    _warm(owner, forward, t)
                 results[key] = (f(t), t)  # t is kept so that its id is not reused meanwhile
             return results[key][0]
 
     applied.once_per_argument = True
     return applied
+
+
+def _warm(x: "Linear", forward: bool, t) -> None:
+    """Apply, before ``x`` itself, the maps ``x`` applies (in direction ``forward``) to arguments
+    known before it runs (:func:`_argument_passed`), and the maps those apply, each callee before
+    its callers, with nothing on the Python stack in between: ``x``'s own application then finds
+    their results made (:func:`_once_per_argument`) instead of nesting their calls.
+
+    A chain of compositions that each apply the one before to the same tangent (forward order:
+    each edge to step k is step k's maps after the edge to step k - 1) is then applied in a loop,
+    however long; nested, a chain of 600 exceeded Python's recursion limit."""
+    results = _APPLICATIONS.results
+    stack, seen, ordered = [(x, t, False)], set(), []
+    while stack:
+        node, argument, expanded = stack.pop()
+        if expanded:
+            ordered.append((node, argument))
+            continue
+        if (id(node), id(argument)) in seen:
+            continue
+        seen.add((id(node), id(argument)))
+        stack.append((node, argument, True))
+        for callee, *passed in node.calls:
+            passes = _argument_passed(argument, passed[0] if forward else passed[1], callee)
+            if passes is not None and (id(_function(callee, forward)), id(passes)) not in results:
+                stack.append((callee, passes, False))
+    for node, argument in ordered[:-1]:  # (the last is x)
+        _function(node, forward)(argument)
+
+
+def _function(x: "Linear", forward: bool) -> Callable:
+    return x.forward() if forward else x.backward()
+
+
+def _argument_passed(argument, token, callee: "Linear"):
+    """The argument a Linear applied to ``argument`` passes ``callee`` where it is known before it
+    runs (see :attr:`Linear.calls`): ``argument`` itself (``token`` None), or ``argument`` times a
+    scale (``token`` that scale: a sum's term applied backward, :func:`_summed_calls`), with the
+    dtype ``callee`` takes (else the application casts it to a new array); None otherwise."""
+    if token is None:
+        passed = argument
+    elif isinstance(token, (jax.Array, np.ndarray)):
+        passed = _scaled(argument, token)
+    else:
+        return None
+    return passed if passed.dtype == callee.dtype else None
 
 
 def _scaled(x, scale):
@@ -326,16 +378,17 @@ class Linear(Partial):
     #: for one partial of an opaque equation: ``(pullbacks, i)``, the equation's :class:`JointPullback`
     #: for this output and this partial's input position, so that one VJP serves all its inputs
     joint: Optional[tuple] = field(default=None, compare=False)
-    #: how deeply ``fn`` (and ``fn_t``) nest calls of other Linears' functions (see :func:`_bounded`)
-    depth: int = field(default=0, compare=False)
+    #: how deeply ``fn`` and ``fn_t`` nest calls of other Linears' functions, those applied first
+    #: (:func:`_warm`) not counted: ``(forward, backward)`` (see :func:`_nesting`, :func:`_bounded`)
+    depth: tuple = field(default=(0, 0), compare=False)
     #: the Linears whose functions ``fn`` and ``fn_t`` apply, as ``(linear, forward, backward)``: the
     #: argument each direction passes it, None for its own argument, ``_UNCALLED`` for none, else an
     #: object that stands for a new one (see :func:`_applications`)
     calls: tuple = field(default=(), compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "fn", _once_per_argument(self.fn))
-        object.__setattr__(self, "fn_t", _once_per_argument(self.fn_t))
+        object.__setattr__(self, "fn", _once_per_argument(self.fn, self, True))
+        object.__setattr__(self, "fn_t", _once_per_argument(self.fn_t, self, False))
 
     @property
     def abstract(self) -> bool:
@@ -459,13 +512,14 @@ def _applications(x: Linear, forward: bool, limit: int = MAX_APPLICATIONS) -> in
     """
     seen, arguments = set(), {}
     stack = [(x, 0)]
+    known_more = "unreplayed_fn" if forward else "unreplayed_fn_t"  # more than MAX_REPLAYED (see _replay)
     while stack:
         node, argument = stack.pop()
         if (id(node), argument) in seen:
             continue
         seen.add((id(node), argument))
-        if len(seen) > limit:
-            break
+        if len(seen) > limit or (limit <= MAX_REPLAYED and node.__dict__.get(known_more)):
+            return limit + 1
         for callee, *passed in node.calls:
             new = passed[0] if forward else passed[1]
             if new is _UNCALLED:
@@ -534,42 +588,69 @@ def matmul(b: Partial, a: Partial) -> tuple[Partial, Cost]:
 
 
 #: A Linear whose functions nest calls of others' deeper than this (a chain of hundreds of sorts or
-#: FFTs: each step's partial a lazy map applied inside the next) is traced once and replayed from
-#: its equations; applied as nested calls, a chain of 600 exceeded Python's recursion limit.
+#: FFTs, each step's partial a lazy map applied to the result of the one before, where the order
+#: does not let :func:`_warm` apply them in a loop) has the maps it applies that deep replayed from
+#: their equations; applied as nested calls, a chain of 600 exceeded Python's recursion limit.
 MAX_DEPTH = 32
 
 
+def _warmed(token, callee: Linear, dtype) -> bool:
+    """Whether a Linear of ``dtype`` applies ``callee`` to an argument :func:`_warm` knows
+    beforehand (``token`` as in :attr:`Linear.calls`)."""
+    if token is None:
+        return callee.dtype == dtype
+    return isinstance(token, (jax.Array, np.ndarray)) and np.result_type(dtype, token.dtype) == callee.dtype
+
+
+def _nesting(calls, dtype) -> tuple:
+    """:attr:`Linear.depth` of a Linear of ``dtype`` whose functions apply ``calls``: one more than
+    a callee's where the callee's argument is made by the application itself, as deep as the
+    callee's where :func:`_warm` applies it first."""
+    depth = [0, 0]
+    for callee, *passed in calls:
+        for d, token in enumerate(passed):
+            if token is not _UNCALLED:
+                depth[d] = max(depth[d], callee.depth[d] + (0 if _warmed(token, callee, dtype) else 1), 1)
+    return tuple(depth)
+
+
 def _bounded(x: Partial) -> Partial:
-    """``x`` nesting at most :data:`MAX_DEPTH` deep: where it nests deeper, the Linears it applies
-    that nest that deep are replaced, in place, by replays of their equations (:func:`_replay`).
+    """``x`` nesting at most :data:`MAX_DEPTH` deep: in a direction where it nests deeper, the
+    Linears it applies that nest that deep are replaced, in place, by replays of their equations
+    (:func:`_replay`).
 
     In place, so that every composition sharing such a map applies the one replay (the products of
     one edge with each of its successors, made in turn), instead of each tracing it into its own.
     """
-    if not isinstance(x, Linear) or x.depth <= MAX_DEPTH or x.abstract:
+    if not isinstance(x, Linear) or x.abstract or max(x.depth) <= MAX_DEPTH:
         return x
-    callees = {id(c): c for c, *_ in x.calls}.values()
-    for callee in callees:
-        if callee.depth >= MAX_DEPTH:
-            _replay(callee)
-    return replace(x, depth=max((c.depth for c in callees), default=-1) + 1)
+    for d in (0, 1):
+        if x.depth[d] <= MAX_DEPTH:
+            continue
+        for callee, *passed in x.calls:
+            if callee.depth[d] >= MAX_DEPTH and not _warmed(passed[d], callee, x.dtype):
+                _replay(callee, forward=d == 0)
+    return replace(x, depth=_nesting(x.calls, x.dtype))
 
 
-def _replay(x: Linear) -> None:
-    """Replace ``x``'s functions by replays of their equations (the same maps; the Linears that
-    apply ``x`` look its functions up when they apply them). A direction that applies more maps
-    than :data:`MAX_REPLAYED` (maps shared on the other side, see :func:`_applications`) is left as
-    it is: traced, it would take as long as applying it."""
-    forward = x.fn is not None and _applications(x, True, MAX_REPLAYED) <= MAX_REPLAYED
-    backward = x.fn_t is not None and _applications(x, False, MAX_REPLAYED) <= MAX_REPLAYED
-    if forward:
-        object.__setattr__(x, "fn", _once_per_argument(_replayed(x.fn, x._in_struct())))
-    if backward:
-        object.__setattr__(x, "fn_t", _once_per_argument(_replayed(x.fn_t, x._out_struct())))
-    # a replay applies no other maps: only the calls of a direction left as it is remain
-    calls = tuple((callee, _UNCALLED if forward else f, _UNCALLED if backward else b) for callee, f, b in x.calls)
+def _replay(x: Linear, forward: bool) -> None:
+    """Replace ``x``'s function in direction ``forward`` by a replay of its equations (the same
+    map; the Linears that apply ``x`` look its functions up when they apply them). A direction
+    that applies more maps than :data:`MAX_REPLAYED` (maps shared on the other side, see
+    :func:`_applications`) is left as it is: traced, it would take as long as applying it."""
+    name = "fn" if forward else "fn_t"
+    f, d = getattr(x, name), 0 if forward else 1
+    if f is None or x.depth[d] == 0 or x.__dict__.get("unreplayed_" + name):
+        return
+    if _applications(x, forward, MAX_REPLAYED) > MAX_REPLAYED:
+        x.__dict__["unreplayed_" + name] = True  # (not counted again)
+        return
+    argument = x._in_struct() if forward else x._out_struct()
+    object.__setattr__(x, name, _once_per_argument(_replayed(f, argument), x, forward))
+    # a replay applies no other maps: only the calls of the other direction remain
+    calls = tuple((callee, *(_UNCALLED if k == d else p for k, p in enumerate(passed))) for callee, *passed in x.calls)
     object.__setattr__(x, "calls", tuple(c for c in calls if c[1:] != (_UNCALLED, _UNCALLED)))
-    object.__setattr__(x, "depth", 0)
+    object.__setattr__(x, "depth", (0, x.depth[1]) if forward else (x.depth[0], 0))
 
 
 #: :func:`_bounded` replays a direction of a deep composition that applies at most this many maps
@@ -915,8 +996,8 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
             fn_t = lambda c: a.backward()(b.backward()(c))  # noqa: E731
     inner = object() if embed else a  # what b's argument is made from: new per composition, or a's result
     calls = ((a, None, object() if embed else b), (b, inner, None))
-    depth = max(a.depth, b.depth) + 1
-    return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=depth, calls=calls)), cost
+    return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
+                                          calls=calls)), cost
 
 
 def _zero_where_unselected(x: Linear) -> Linear:
@@ -969,7 +1050,7 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         if not b.unit:
             scale = b.val if scale is None else scale * b.val
         calls = ((a, None, None if b.pairs == tuple(range(len(b.pairs))) else object()),)
-        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=a.depth + 1,
+        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
                                               calls=calls)), cost
     # general: rows of b (dense over v) pulled back through a^T
     rows = b.unpair(range(len(b.out_shape)))
@@ -1120,7 +1201,7 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
             pushed = fb(jnp.broadcast_to(a.val, a.out_shape).astype(b.dtype))
             scale = pushed * b.scale if b.has_scale else pushed
         calls = ((b, None if not embed and a.pairs == tuple(range(len(a.pairs))) else object(), None),)
-        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=b.depth + 1,
+        return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
                                               calls=calls)), cost
     # general: columns of a (dense over v) pushed through b
     cols = a.unpair(range(len(a.out_shape)))
@@ -1220,7 +1301,8 @@ def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
     x.forward(), y.forward()  # derived, where they are, in the trace x and y were made in
     fn = lambda t: x.apply(t) + y.apply(t)  # noqa: E731
     fn_t = (lambda c: x.apply_t(c) + y.apply_t(c)) if _transposable(x) and _transposable(y) else None  # noqa: E731
-    return replace(result, fn=fn, fn_t=fn_t, depth=max(x.depth, y.depth) + 1, calls=_summed_calls((x, y))), cost
+    calls = _summed_calls((x, y))
+    return replace(result, fn=fn, fn_t=fn_t, depth=_nesting(calls, dtype), calls=calls), cost
 
 
 def _summed_calls(terms) -> tuple:
@@ -1301,8 +1383,8 @@ def _sum_of_parts(parts: tuple, dtype, stacked=None) -> Linear:
         return result
     fn = lambda t: functools.reduce(lax.add, [cast(p.apply(t), dtype) for p in parts])  # noqa: E731
     fn_t = lambda c: functools.reduce(lax.add, [cast(p.apply_t(c), dtype) for p in parts])  # noqa: E731
-    return replace(result, fn=fn, fn_t=fn_t, stacked=stacked, depth=max(p.depth for p in parts) + 1,
-                   calls=_summed_calls(parts))
+    calls = _summed_calls(parts)
+    return replace(result, fn=fn, fn_t=fn_t, stacked=stacked, depth=_nesting(calls, dtype), calls=calls)
 
 
 def selection_from_index(out_shape, in_shape, index: np.ndarray, dtype) -> Linear:

@@ -821,12 +821,12 @@ def _sort_and_rolls(x, steps):
 def test_lazy_maps_that_share_a_map_apply_it_once():
     # in forward order every step's edge applies the previous step's edge three times to the same
     # tangent. Applied as a tree, the traced Jacobian grew about sixfold per step (six steps traced
-    # for 25 s, seven for 141 s); applied once per argument, it grows with the steps (222 -> 540
+    # for 25 s, seven for 141 s); applied once per argument, it grows with the steps (222 -> 332
     # equations from four to six steps). In reverse order the shared map is the next step's edge to
     # the output, applied once backward (to one cotangent) but once per path forward: densified
     # forward, and transposed through its whole forward map, it grew fivefold per step (2908 -> 14173
     # from four to five steps); now it is densified backward, its transpose made of its factors'
-    # (225 -> 823 from four to six steps)
+    # (231 -> 319 from four to six steps; see also the next test)
     x = jnp.linspace(0.1, 1.0, 16)
 
     def equations(steps, order):
@@ -838,6 +838,34 @@ def test_lazy_maps_that_share_a_map_apply_it_once():
     fun = lambda v: _sort_and_rolls(v, 4)  # noqa: E731
     assert_orders_match(fun, (x,), 0, jax.jacfwd(fun)(x), lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 2, seed=3),
                         rtol=1e-5, atol=1e-6)
+
+
+def test_a_long_chain_of_shared_lazy_maps_grows_with_its_steps():
+    # past MAX_DEPTH nested calls, the maps such a chain applies were replayed from their equations,
+    # and a replay inlines the replays it applies: each of a step's three maps traced its own copy
+    # of the chain before it. 12 -> 20 steps grew 1734 -> 13742 equations in forward and Markowitz
+    # order (24 steps: 40410; 32 steps traced for 113 s), 1845 -> 6965 in reverse order. Maps
+    # applied to an argument known beforehand are now applied in a loop, deepest first
+    # (partials._warm), and need no replay: 662 -> 1102 (reverse: 583 -> 935); and 64 steps pass
+    # under a recursion limit of 400
+    x = jnp.linspace(0.1, 1.0, 16)
+
+    def equations(steps, order):
+        jacobian = jaxtool.jacve(lambda v: _sort_and_rolls(v, steps), order=order)
+        return _count_equations(jax.make_jaxpr(jacobian)(x).jaxpr)
+
+    for order in ("fwd", "rev", "markowitz"):
+        assert equations(20, order) < 2 * equations(12, order), order
+    fun = lambda v: _sort_and_rolls(v, 64)  # noqa: E731
+    want = jax.jacfwd(fun)(x)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(400)
+    try:
+        got = {order: jaxtool.jacve(fun, order=order)(x) for order in ("fwd", "rev")}
+    finally:
+        sys.setrecursionlimit(limit)
+    for jacobian in got.values():
+        assert_same_jacobian(jacobian, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_chain_of_lazy_maps_nests_no_deeper_than_its_bound():
