@@ -61,7 +61,11 @@ def _trace(fun, args, kwargs, positions, has_aux, static_kinds):
     def flat_fun(*flat):
         full = list(leaves)
         for n, value in zip(traced, flat):
-            full[n] = value
+            # a leaf not differentiated that is already traced (the staged call's) is read as it
+            # is: functions ``fun`` defines may close over it, and a custom_jvp/custom_vjp rule of
+            # one is traced only when elimination applies it, after this trace has ended
+            # (``jax.jacrev`` traces it in the same trace). Its input stays, unused.
+            full[n] = leaves[n] if n not in chosen and isinstance(leaves[n], jax.core.Tracer) else value
         call_args, call_kwargs = jax.tree_util.tree_unflatten(call_tree, full)
         result = fun(*call_args, **call_kwargs)
         if has_aux and not (isinstance(result, (tuple, list)) and len(result) == 2):

@@ -1071,8 +1071,11 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
     elif a._joint() is not None:  # the same rows pulled back through all inputs of a's equation at once
         pullbacks, i = a._joint()
         pulled = pullbacks.pull(b, cast(block, a.dtype))[i]
-    else:
+    elif _transposable(a):
         pulled = jax.vmap(a.apply_t)(cast(block, a.dtype))
+    else:  # JAX cannot transpose a (a while loop's JVP): the rows times a densified by columns
+        dense = cast(a.to_dense(), dtype).reshape(_size(a.out_shape), _size(a.in_shape))
+        pulled = block.reshape(n_rows, _size(a.out_shape)).astype(dtype) @ dense
     return replace(result, val=cast(reshaped(pulled, val_shape), dtype)), cost
 
 

@@ -654,11 +654,34 @@ def custom_jvp(eqn, invals, outvals, wrt):
         return linear_partials(tangent_fn, list(invals), tangents, wrt, _float_outputs(outvals))
     except UnsupportedError:
         return opaque(eqn, invals, outvals, wrt)
+    except jax.errors.UnexpectedTracerError as error:
+        raise closure_error(eqn, error) from error
+
+
+def closure_error(eqn, error: Exception) -> UnsupportedError:
+    """The error for a custom rule that reads a value of the trace its equation was recorded in.
+
+    A function defined inside the traced one may close over the traced one's arguments; JAX
+    traces its custom rule only when it differentiates the equation. ``jaxtool.jacve`` lets it
+    read the arguments it does not differentiate (see ``jacobian._trace``); a differentiated one,
+    or a program traced apart from its elimination (``jaxtool jac``), leaves it a stale tracer."""
+    return UnsupportedError(
+        f"the derivative rule of '{eqn.name}' reads a value it closes over from the traced function, "
+        f"after that trace has ended ({type(error).__name__}): pass that value to the custom function as an argument "
+        "(nondiff_argnums where it is not differentiated); jaxtool.jacve also accepts a closure over "
+        "an argument it does not differentiate", primitive=eqn.name, location=eqn.location())
 
 
 @register(P.custom_vjp_call_p)
 def custom_vjp(eqn, invals, outvals, wrt):
     """The user's VJP rule, applied lazily as the transposed partial."""
+    try:
+        return _custom_vjp(eqn, invals, outvals, wrt)
+    except jax.errors.UnexpectedTracerError as error:
+        raise closure_error(eqn, error) from error
+
+
+def _custom_vjp(eqn, invals, outvals, wrt):
     invals = _as_jax_arrays(invals)
     result = []
     for i in wrt:
@@ -704,7 +727,12 @@ def _require_linear(eqn, fn_t, out_struct) -> None:
 
 def _loops(jaxpr) -> bool:
     """Whether ``jaxpr``, or a jaxpr nested in it, has a ``while``."""
-    return any(e.primitive.name == "while" or any(_loops(sub) for _, _, sub in subjaxprs(e.params))
+    return contains(jaxpr, P.while_p)
+
+
+def contains(jaxpr, primitive) -> bool:
+    """Whether ``jaxpr``, or a jaxpr nested in it, has an equation of ``primitive``."""
+    return any(e.primitive is primitive or any(contains(sub, primitive) for _, _, sub in subjaxprs(e.params))
                for e in jaxpr.eqns)
 
 
@@ -814,7 +842,12 @@ def _complex_elementwise(eqn, invals, outvals, wrt):
 
 def _forward_rule_error(eqn, invals, wrt):
     """Why JAX cannot take the equation's JVP along one of the inputs ``wrt`` (None if it can); the
-    forward rule may exist for some inputs only (``scatter_mul``'s operand)."""
+    forward rule may exist for some inputs only (``scatter_mul``'s operand). A ``custom_vjp``
+    function nested in the equation (in a ``cond`` or ``scan``) has none: JAX's JVP of the equation
+    traces, but raises once batched, as densification batches it."""
+    nested = any(contains(sub, P.custom_vjp_call_p) for _, _, sub in subjaxprs(eqn.params))
+    if nested:
+        return TypeError(f"a custom_vjp function nested in '{eqn.name}' has no forward-mode rule")
     for i in wrt:
         probe = jnp.zeros(_shape(invals[i]), jax.typeof(invals[i]).dtype)
         try:

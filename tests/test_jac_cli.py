@@ -307,6 +307,15 @@ def test_a_narrower_float_inside_the_program_sets_the_default_tolerances(capsys)
 # ------------------------------------------------------------------------------------- errors
 
 
+def test_a_custom_rule_closing_over_an_argument_exits_4_with_location(capsys):
+    # jaxtool jac eliminates a program traced apart from its elimination: the rule, traced when it
+    # is eliminated, reads a tracer of the finished trace (an UnexpectedTracerError, exit 70, before)
+    code, out, err = jac(capsys, f"{FIXTURES}:scaled_inside", "f32[3]", "f32[3]", "--argnums", "0")
+    assert code == 4 and out == ""
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: {FIXTURES}:") and "'custom_jvp_call'" in line and "argument" in line
+
+
 def test_unsupported_primitive_exits_4_with_location(capsys):
     code, out, err = jac(capsys, f"{FIXTURES}:callback")
     assert code == 4 and out == ""

@@ -165,10 +165,29 @@ def _eliminate(closed_jaxpr, leaves, wrt, order):
         recorded["result"] = (vertices, run(problem, vertices))
         return blocks(problem)
 
-    jac = jax.jit(eliminate)(leaves)
+    try:
+        jac = jax.jit(eliminate)(leaves)
+    except jax.errors.UnexpectedTracerError as error:
+        raise _custom_rule_error(program, error) from error
     columns = sorted(wrt)  # blocks() orders the differentiated inputs by flat index
     jac = [[row[columns.index(k)] for k in wrt] for row in jac]
     return recorded["result"], jac, recorded["opaque"]
+
+
+def _custom_rule_error(program, error):
+    """``error`` (a tracer the traced program leaked) as the clean error of the first custom
+    derivative rule that can have leaked it: such a rule closes over a value of the trace the
+    program was recorded in, and runs only when it is eliminated (see ``rules.closure_error``)."""
+    from jax.extend.core import primitives as P
+
+    from jaxtool.printing import subjaxprs
+    from jaxtool.rules import closure_error, contains
+
+    custom = (P.custom_jvp_call_p, P.custom_vjp_call_p)
+    for eqn in program.eqns:
+        if eqn.primitive in custom or any(contains(sub, p) for _, _, sub in subjaxprs(eqn.params) for p in custom):
+            return closure_error(eqn, error)
+    return error
 
 
 def _blocks(traced, wrt, jac) -> tuple:
