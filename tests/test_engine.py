@@ -879,6 +879,12 @@ def _sort_and_rolls(x, steps):
     return x
 
 
+def _sort_and_rolls_equations(steps, order, x) -> int:
+    """The equations of jacve's traced Jacobian of :func:`_sort_and_rolls` at ``x``."""
+    jacobian = jaxtool.jacve(lambda v: _sort_and_rolls(v, steps), order=order)
+    return _count_equations(jax.make_jaxpr(jacobian)(x).jaxpr)
+
+
 def test_lazy_maps_that_share_a_map_apply_it_once():
     # in forward order every step's edge applies the previous step's edge three times to the same
     # tangent. Applied as a tree, the traced Jacobian grew about sixfold per step (six steps traced
@@ -890,15 +896,24 @@ def test_lazy_maps_that_share_a_map_apply_it_once():
     # (231 -> 319 from four to six steps; see also the next test)
     x = jnp.linspace(0.1, 1.0, 16)
 
-    def equations(steps, order):
-        jacobian = jaxtool.jacve(lambda v: _sort_and_rolls(v, steps), order=order)
-        return _count_equations(jax.make_jaxpr(jacobian)(x).jaxpr)
-
     for order in ("fwd", "rev", "markowitz"):
-        assert equations(6, order) < 5 * equations(4, order), order
+        assert _sort_and_rolls_equations(6, order, x) < 5 * _sort_and_rolls_equations(4, order, x), order
     fun = lambda v: _sort_and_rolls(v, 4)  # noqa: E731
     assert_orders_match(fun, (x,), 0, jax.jacfwd(fun)(x), lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 2, seed=3),
                         rtol=1e-5, atol=1e-6)
+
+
+def _assert_jacobians_under_a_recursion_limit(fun, x, limit):
+    """jacve's fwd and rev Jacobians of ``fun`` at ``x``, made under Python recursion ``limit``, match jax.jacfwd's."""
+    want = jax.jacfwd(fun)(x)
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit)
+    try:
+        got = {order: jaxtool.jacve(fun, order=order)(x) for order in ("fwd", "rev")}
+    finally:
+        sys.setrecursionlimit(before)
+    for jacobian in got.values():
+        assert_same_jacobian(jacobian, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_long_chain_of_shared_lazy_maps_grows_with_its_steps():
@@ -911,22 +926,10 @@ def test_a_long_chain_of_shared_lazy_maps_grows_with_its_steps():
     # under a recursion limit of 400
     x = jnp.linspace(0.1, 1.0, 16)
 
-    def equations(steps, order):
-        jacobian = jaxtool.jacve(lambda v: _sort_and_rolls(v, steps), order=order)
-        return _count_equations(jax.make_jaxpr(jacobian)(x).jaxpr)
-
     for order in ("fwd", "rev", "markowitz"):
-        assert equations(20, order) < 2 * equations(12, order), order
+        assert _sort_and_rolls_equations(20, order, x) < 2 * _sort_and_rolls_equations(12, order, x), order
     fun = lambda v: _sort_and_rolls(v, 64)  # noqa: E731
-    want = jax.jacfwd(fun)(x)
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(400)
-    try:
-        got = {order: jaxtool.jacve(fun, order=order)(x) for order in ("fwd", "rev")}
-    finally:
-        sys.setrecursionlimit(limit)
-    for jacobian in got.values():
-        assert_same_jacobian(jacobian, want, rtol=1e-5, atol=1e-6)
+    _assert_jacobians_under_a_recursion_limit(fun, x, 400)
 
 
 def test_a_chain_of_updates_of_a_slice_grows_with_its_steps():
@@ -960,15 +963,7 @@ def test_a_chain_of_lazy_maps_nests_no_deeper_than_its_bound():
         return x
 
     x = jnp.linspace(1.0, 0.1, 6)
-    want = jax.jacfwd(fun)(x)
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(400)
-    try:
-        got = {order: jaxtool.jacve(fun, order=order)(x) for order in ("fwd", "rev")}
-    finally:
-        sys.setrecursionlimit(limit)
-    for jacobian in got.values():
-        assert_same_jacobian(jacobian, want, rtol=1e-5, atol=1e-6)
+    _assert_jacobians_under_a_recursion_limit(fun, x, 400)
 
 
 def _wide_stencil_steps(u, steps):
