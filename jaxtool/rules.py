@@ -716,18 +716,13 @@ def _require_linear(eqn, fn_t, out_struct) -> None:
     try:
         jax.eval_shape(jax.linear_transpose(fn_t, out_struct), jax.eval_shape(fn_t, out_struct))
     except Exception as error:  # noqa: BLE001 - a nonlinear operation on the cotangent, or a loop
-        if _loops(jax.make_jaxpr(fn_t)(out_struct).jaxpr):
+        if contains(jax.make_jaxpr(fn_t)(out_struct).jaxpr, P.while_p):
             return
         raise UnsupportedError(
             f"the backward rule of '{eqn.name}' is not linear in its cotangent "
             f"({str(error).splitlines()[0]}): jax.jacrev applies it to each output's cotangent, vertex "
             "elimination to unit cotangents at this equation, so their Jacobians would differ",
             primitive=eqn.name, location=eqn.location()) from error
-
-
-def _loops(jaxpr) -> bool:
-    """Whether ``jaxpr``, or a jaxpr nested in it, has a ``while``."""
-    return contains(jaxpr, P.while_p)
 
 
 def contains(jaxpr, primitive) -> bool:
