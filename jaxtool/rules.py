@@ -662,14 +662,14 @@ def closure_error(eqn, error: Exception) -> UnsupportedError:
     """The error for a custom rule that reads a value of the trace its equation was recorded in.
 
     A function defined inside the traced one may close over the traced one's arguments; JAX
-    traces its custom rule only when it differentiates the equation. ``jaxtool.jacve`` lets it
-    read the arguments it does not differentiate (see ``jacobian._trace``); a differentiated one,
-    or a program traced apart from its elimination (``jaxtool jac``), leaves it a stale tracer."""
+    traces its custom rule only when it differentiates the equation. ``jaxtool.jacve`` and
+    ``jaxtool jac`` let it read the arguments they do not differentiate (see ``jacobian._trace``);
+    a differentiated one leaves it a stale tracer, as in ``jax.jacrev``."""
     return UnsupportedError(
         f"the derivative rule of '{eqn.name}' reads a value it closes over from the traced function, "
         f"after that trace has ended ({type(error).__name__}): pass that value to the custom function as an argument "
-        "(nondiff_argnums where it is not differentiated); jaxtool.jacve also accepts a closure over "
-        "an argument it does not differentiate", primitive=eqn.name, location=eqn.location())
+        "(nondiff_argnums where it is not differentiated); a closure over an argument that is not "
+        "differentiated is accepted", primitive=eqn.name, location=eqn.location())
 
 
 @register(P.custom_vjp_call_p)

@@ -1,10 +1,12 @@
 """``jaxtool jac``: the Jacobian of a function by vertex elimination, optionally checked against JAX's AD.
 
-The function is traced once (:func:`jaxtool.tracing.trace`); its inlined program is numbered as
-``jaxtool show --vertices`` numbers it, so custom ``--order`` lists use those numbers. The
-differentiated inputs are the flat leaves of the ``--argnums`` arguments, in ``--argnums`` order;
-the other arguments stay fixed. Building the graph of partials, eliminating and reading out the
-blocks run inside one ``jax.jit`` (the cost is recorded while tracing).
+The function is traced (:func:`jaxtool.tracing.trace`) for the names, shapes and dtypes of its
+leaves; its inlined program is numbered as ``jaxtool show --vertices`` numbers it, so custom
+``--order`` lists use those numbers. The differentiated inputs are the flat leaves of the
+``--argnums`` arguments, in ``--argnums`` order; the other arguments stay fixed. Tracing the
+program again, building the graph of partials, eliminating and reading out the blocks run inside
+one ``jax.jit`` (the cost is recorded while tracing), so that a custom derivative rule that closes
+over an argument, traced only when its equation is eliminated, reads a value of that trace.
 
 No JAX import at module level (``jaxtool jac --help`` stays fast).
 """
@@ -77,11 +79,11 @@ def command(settings, target, specs, order_text, argnums, static, inputs, seed, 
     traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
     leaves, wrt = _differentiated_leaves(loaded, traced, positions)
 
-    (vertices, cost), jac, opaque = _eliminate(traced.closed_jaxpr, leaves, wrt, order)
+    (vertices, cost), jac, opaque = _eliminate(loaded.fn, traced.in_tree, leaves, wrt, order)
     blocks = _blocks(traced, wrt, jac)
     report = JacobianReport(order_name=order if isinstance(order, str) else "custom", order=tuple(vertices),
                             mults=cost.mults, adds=cost.adds, blocks=blocks, opaque=opaque,
-                            check=_check(traced, leaves, wrt, blocks, rtol, atol) if check else None)
+                            check=_check(loaded.fn, traced, leaves, wrt, blocks, rtol, atol) if check else None)
     if save:
         _save(save, blocks, len(wrt))
         settings.note(f"note: saved {len(blocks)} array{'s' * (len(blocks) != 1)} jac_I_J to {save}")
@@ -146,20 +148,28 @@ def _differentiated_leaves(loaded, traced, positions):
     return leaves, wrt
 
 
-def _eliminate(closed_jaxpr, leaves, wrt, order):
+def _eliminate(fn, in_tree, leaves, wrt, order):
     """((vertices eliminated, Cost), Jacobian blocks ``[output][differentiated leaf]`` in ``wrt`` order,
-    opaque vertices (see :attr:`jaxtool.elimination.Problem.opaque`))."""
+    opaque vertices (see :attr:`jaxtool.elimination.Problem.opaque`)) of ``fn`` at the flat
+    argument ``leaves`` (of ``in_tree``)."""
     import jax
 
     from jaxtool.elimination import blocks, build, run
     from jaxtool.graph import flatten
     from jaxtool.orders import resolve_order
 
-    program = flatten(closed_jaxpr)
     recorded = {}
 
     def eliminate(args):
-        problem = build(program, args, wrt)
+        def program(*flat):
+            # the leaves not differentiated are read as this trace's values: a custom_jvp/custom_vjp
+            # rule that closes over one is traced when elimination applies it, within this trace;
+            # their program inputs stay (unused), so the numbering is the one `show` prints
+            full = [x if k in wrt else args[k] for k, x in enumerate(flat)]
+            return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(in_tree, full)))
+
+        recorded["program"] = flatten(jax.make_jaxpr(program)(*args))
+        problem = build(recorded["program"], args, wrt)
         vertices = resolve_order(order, problem)
         recorded["opaque"] = problem.opaque
         recorded["result"] = (vertices, run(problem, vertices))
@@ -167,24 +177,24 @@ def _eliminate(closed_jaxpr, leaves, wrt, order):
 
     try:
         jac = jax.jit(eliminate)(leaves)
-    except jax.errors.UnexpectedTracerError as error:
-        raise _custom_rule_error(program, error) from error
+    except jax.errors.UnexpectedTracerError as error:  # a rule closing over a differentiated argument
+        raise _custom_rule_error(recorded.get("program"), error) from error
     columns = sorted(wrt)  # blocks() orders the differentiated inputs by flat index
     jac = [[row[columns.index(k)] for k in wrt] for row in jac]
     return recorded["result"], jac, recorded["opaque"]
 
 
 def _custom_rule_error(program, error):
-    """``error`` (a tracer the traced program leaked) as the clean error of the first custom
-    derivative rule that can have leaked it: such a rule closes over a value of the trace the
-    program was recorded in, and runs only when it is eliminated (see ``rules.closure_error``)."""
+    """``error`` (a tracer the program leaked) as the clean error of the first custom derivative
+    rule of ``program`` that can have leaked it: such a rule closes over a differentiated argument
+    (see ``rules.closure_error``)."""
     from jax.extend.core import primitives as P
 
     from jaxtool.printing import subjaxprs
     from jaxtool.rules import closure_error, contains
 
     custom = (P.custom_jvp_call_p, P.custom_vjp_call_p)
-    for eqn in program.eqns:
+    for eqn in program.eqns if program is not None else ():
         if eqn.primitive in custom or any(contains(sub, p) for _, _, sub in subjaxprs(eqn.params) for p in custom):
             return closure_error(eqn, error)
     return error
@@ -202,10 +212,10 @@ def _blocks(traced, wrt, jac) -> tuple:
                  for i in range(len(jac)) for j, k in enumerate(wrt))
 
 
-def _check(traced, leaves, wrt, blocks, rtol, atol):
-    """Compare ``blocks`` with ``jax.jacrev`` and ``jax.jacfwd`` of the traced program (see :class:`Check`)."""
+def _check(fn, traced, leaves, wrt, blocks, rtol, atol):
+    """Compare ``blocks`` with ``jax.jacrev`` and ``jax.jacfwd`` of ``fn``, the function ``traced``
+    is the program of (see :class:`Check`)."""
     import jax
-    import jax.extend.core as jcore
     import numpy as np
 
     from jaxtool.report import Check, Comparison
@@ -226,13 +236,11 @@ def _check(traced, leaves, wrt, blocks, rtol, atol):
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
 
-    program = jcore.jaxpr_as_fun(traced.closed_jaxpr)
-
     def fun(*xs):
         full = list(leaves)
         for k, x in zip(wrt, xs):
             full[k] = x
-        results = program(*full)
+        results = jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(traced.in_tree, full)))
         return [results[i] for i in outs]
 
     comparisons = []
