@@ -17,7 +17,7 @@ demo: install
 	$(PYTHON) -m jaxtool jac $(SAMPLE) --order markowitz --check
 
 test: install-test
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n auto --dist worksteal
 
 fuzz: install-test
 	$(PYTHON) scripts/fuzz.py --count 10000

@@ -45,8 +45,9 @@ def outcomes(request) -> dict:
     """``seed -> (status, report)`` for every selected seed, checked in parallel worker processes.
 
     Each case costs an XLA compilation, which runs on one core: one worker per core (at most
-    ``MAX_WORKERS``) divides the wall time. A seed the workers could not check (no pool: one CPU or
-    one seed selected; or a worker died) is checked in this process by the test itself.
+    ``MAX_WORKERS``) divides the wall time. A seed the workers could not check (no pool: one CPU,
+    one seed selected, or tests run by pytest-xdist's processes; or a worker died) is checked in
+    this process by the test itself.
     """
     import os
     from concurrent.futures import ProcessPoolExecutor
@@ -54,10 +55,12 @@ def outcomes(request) -> dict:
     from itertools import repeat
     from multiprocessing import get_context
 
+    done: dict = {}
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: the test processes divide the seeds already
+        return done
     seeds = sorted({item.callspec.params["seed"] for item in request.session.items
                     if getattr(item, "originalname", "") == "test_jacve_matches_jacrev"})
     workers = min(MAX_WORKERS, os.cpu_count() or 1, len(seeds))
-    done: dict = {}
     if workers < 2:
         return done
     try:
