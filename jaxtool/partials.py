@@ -422,7 +422,8 @@ class Linear(Partial):
                 jax.eval_shape(transposed, jax.ShapeDtypeStruct(self.in_shape, takes))
             except Exception:  # noqa: BLE001 - a VJP JAX cannot transpose (odeint's calls odeint): by rows
                 dense = replace(self, scale=None, has_scale=False).to_dense()
-                derived = _once_per_argument(lambda t: jnp.tensordot(dense, t, axes=len(self.in_shape)))
+                derived = _once_per_argument(
+                    lambda t: jnp.tensordot(dense, t, axes=len(self.in_shape), precision=HIGHEST))
             else:
                 derived = _once_per_argument(lambda t: transposed(cast(t, takes))[0])
             object.__setattr__(self, "derived_fn", derived)
@@ -1075,7 +1076,7 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         pulled = jax.vmap(a.apply_t)(cast(block, a.dtype))
     else:  # JAX cannot transpose a (a while loop's JVP): the rows times a densified by columns
         dense = cast(a.to_dense(), dtype).reshape(_size(a.out_shape), _size(a.in_shape))
-        pulled = block.reshape(n_rows, _size(a.out_shape)).astype(dtype) @ dense
+        pulled = jnp.matmul(block.reshape(n_rows, _size(a.out_shape)).astype(dtype), dense, precision=HIGHEST)
     return replace(result, val=cast(reshaped(pulled, val_shape), dtype)), cost
 
 

@@ -366,6 +366,30 @@ def test_reduce_precision_follows_its_jvp_rule():
         np.testing.assert_array_equal(jaxtool.jacve(f, order=order)(x), forward)
 
 
+def _dot_precisions(jaxpr) -> list:
+    return [p for e in jaxpr.eqns for p in ([e.params["precision"]] if e.primitive is lax.dot_general_p else [])
+            + [p for _, _, sub in subjaxprs(e.params) for p in _dot_precisions(sub)]]
+
+
+def test_the_eliminations_own_matrix_products_run_at_highest_precision():
+    # on a GPU, float32 matrix products of default precision run in TF32: the chain rule's own
+    # products must not lose float32's precision there (the program's products keep theirs)
+    highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+    w, x = jnp.full((24, 24), 0.1), jnp.ones(24)
+    f = lambda w, x: jnp.tanh(w @ jnp.tanh(w @ x))  # noqa: E731
+    def loop(x):  # a while loop's JVP, which JAX cannot transpose: rows are multiplied by it densified
+        y, _ = lax.while_loop(lambda c: c[1] < 3, lambda c: (jnp.sin(c[0]) * 1.1, c[1] + 1), (x, 0))
+        return jnp.sin(y) @ w
+
+    for fun, args, argnums in ((f, (w, x), 1), (loop, (x,), 0)):
+        program = _dot_precisions(jax.make_jaxpr(fun)(*args).jaxpr)
+        for order in ("fwd", "rev", "markowitz"):
+            precisions = _dot_precisions(jax.make_jaxpr(jaxtool.jacve(fun, order, argnums))(*args).jaxpr)
+            own = [p for p in precisions if p != highest]
+            assert sorted(map(str, own)) == sorted(map(str, program)), order
+            assert len(precisions) > len(program), order
+
+
 COMPLEX_CONSTANT = np.array([1 + 2j, 3 - 1j, 0.5j, 2.0, -1j, 0.25], np.complex64)
 
 
