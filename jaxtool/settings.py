@@ -5,6 +5,7 @@ No JAX import at module level; :meth:`Settings.activate` imports and configures 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -42,6 +43,12 @@ class Settings:
         """A diagnostic note on stderr, unless ``--quiet``."""
         if not self.quiet:
             print(message, file=sys.stderr)
+
+    @staticmethod
+    def user_code():
+        """A context for running the user's module and function: what they print goes to stderr, so
+        that stdout carries only jaxtool's data (``--format json`` stays one JSON document)."""
+        return contextlib.redirect_stdout(sys.stderr)
 
     def activate(self, *, require_device: bool = True) -> None:
         """Import JAX and apply the backend and x64 settings.

@@ -241,6 +241,15 @@ def test_check_exit_code_follows_the_comparison(capsys):
         assert line.startswith("error: --check: the Jacobian differs from jax.")
 
 
+def test_what_the_function_prints_goes_to_stderr(capsys):
+    # it runs for the trace, the elimination and both references of --check: none of it on stdout,
+    # which holds one JSON document
+    code, out, err = jac(capsys, f"{FIXTURES}:printing", "--check", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["check"]["passed"]
+    assert "printing: traced" in err and "printing" not in out
+
+
 def test_check_detects_a_wrong_block():
     from jaxtool.commands.jac import _check, _differentiated_leaves
     from jaxtool.tracing import trace

@@ -67,6 +67,23 @@ def tiny_example_args():
     return (jax.ShapeDtypeStruct((3,), jnp.float32),)
 
 
+def noisy(x):
+    print("noisy: traced")  # JAX caches its trace: it prints the first time this process traces it
+    return jnp.sin(x)
+
+
+def noisy_example_args():
+    return (jnp.ones(3),)
+
+
+def noisy_lowered(x):
+    print("noisy: traced")
+    return jnp.cos(x)
+
+
+noisy_lowered_example_args = noisy_example_args
+
+
 def target(name: str) -> str:
     return f"{HERE}:{name}"
 
@@ -375,3 +392,11 @@ def test_usage_errors():
     assert isinstance(result.exception, UsageError) and result.exception.exit_code == 2
     result = CliRunner().invoke(cli, ["show", target("tiny"), "--depth", "-1"])
     assert result.exit_code == 2 and "--depth" in result.output
+
+
+def test_what_the_function_prints_goes_to_stderr():
+    for name, extra in (("noisy", ()), ("noisy_lowered", ("--stage", "hlo"))):
+        result = CliRunner().invoke(cli, ["show", target(name), *extra, "--format", "json"])
+        assert result.exit_code == 0, (result.output, result.exception)
+        json.loads(result.stdout)
+        assert "noisy: traced" in result.stderr

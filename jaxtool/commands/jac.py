@@ -73,17 +73,18 @@ def command(settings, target, specs, order_text, argnums, static, inputs, seed, 
     from jaxtool.report import JacobianReport, render_text, to_json
     from jaxtool.tracing import trace
 
-    loaded = load_target(target, specs, inputs=inputs, seed=seed, static=static)
-    if loaded.drawn:
-        settings.note(f"note: inputs drawn from N(0,1) with seed {seed}")
-    traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
-    leaves, wrt = _differentiated_leaves(loaded, traced, positions)
+    with settings.user_code():  # the function runs for the trace, the elimination and --check
+        loaded = load_target(target, specs, inputs=inputs, seed=seed, static=static)
+        if loaded.drawn:
+            settings.note(f"note: inputs drawn from N(0,1) with seed {seed}")
+        traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
+        leaves, wrt = _differentiated_leaves(loaded, traced, positions)
 
-    (vertices, cost), jac, opaque = _eliminate(loaded.fn, traced.in_tree, leaves, wrt, order)
-    blocks = _blocks(traced, wrt, jac)
-    report = JacobianReport(order_name=order if isinstance(order, str) else "custom", order=tuple(vertices),
-                            mults=cost.mults, adds=cost.adds, blocks=blocks, opaque=opaque,
-                            check=_check(loaded.fn, traced, leaves, wrt, blocks, rtol, atol) if check else None)
+        (vertices, cost), jac, opaque = _eliminate(loaded.fn, traced.in_tree, leaves, wrt, order)
+        blocks = _blocks(traced, wrt, jac)
+        report = JacobianReport(order_name=order if isinstance(order, str) else "custom", order=tuple(vertices),
+                                mults=cost.mults, adds=cost.adds, blocks=blocks, opaque=opaque,
+                                check=_check(loaded.fn, traced, leaves, wrt, blocks, rtol, atol) if check else None)
     if save:
         _save(save, blocks, len(wrt))
         settings.note(f"note: saved {len(blocks)} array{'s' * (len(blocks) != 1)} jac_I_J to {save}")

@@ -54,8 +54,9 @@ def command(settings, target, specs, static, inputs, seed, fmt, stage, with_sour
     from jaxtool.loading import load_target
     from jaxtool.tracing import trace
 
-    loaded = load_target(target, specs, inputs=inputs, seed=seed, static=static, concrete=False)
-    traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
+    with settings.user_code():
+        loaded = load_target(target, specs, inputs=inputs, seed=seed, static=static, concrete=False)
+        traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
     if stage != "jaxpr":
         _show_lowered(settings, loaded, stage, fmt)
         return
@@ -87,7 +88,8 @@ def _show_lowered(settings, loaded, stage: str, fmt: str) -> None:
     """Print the module ``loaded.fn`` lowers to for the chosen backend."""
     from jaxtool.export import PLATFORMS, lowered_text
 
-    text = lowered_text(loaded.fn, loaded.args, stage=stage, backend=settings.backend)
+    with settings.user_code():
+        text = lowered_text(loaded.fn, loaded.args, stage=stage, backend=settings.backend)
     if fmt == "json":
         click.echo(json.dumps({"stage": stage, "backend": settings.backend,
                                "platform": PLATFORMS[settings.backend], "text": text}, indent=2))

@@ -157,15 +157,16 @@ def command(settings, target, specs, static, inputs, seed, strict, fmt):
     from jaxtool import typecheck
     from jaxtool.loading import resolve
 
-    obj = resolve(target)
-    jaxpr = obj if isinstance(obj, (jcore.Jaxpr, jcore.ClosedJaxpr)) else \
-        _zero_arg_result(obj) if callable(obj) else None
-    if jaxpr is not None:
-        if specs or static or inputs:
-            raise UsageError(f"{target} is a jaxpr: SPECS, --static and --inputs do not apply")
-        report, name = typecheck.check_jaxpr(jaxpr, warn_float64=not settings.x64), target.rpartition(":")[2]
-    else:
-        report, name = _check_function(target, specs, static, inputs, seed, warn_float64=not settings.x64)
+    with settings.user_code():
+        obj = resolve(target)
+        jaxpr = obj if isinstance(obj, (jcore.Jaxpr, jcore.ClosedJaxpr)) else \
+            _zero_arg_result(obj) if callable(obj) else None
+        if jaxpr is not None:
+            if specs or static or inputs:
+                raise UsageError(f"{target} is a jaxpr: SPECS, --static and --inputs do not apply")
+            report, name = typecheck.check_jaxpr(jaxpr, warn_float64=not settings.x64), target.rpartition(":")[2]
+        else:
+            report, name = _check_function(target, specs, static, inputs, seed, warn_float64=not settings.x64)
 
     if fmt == "json":
         click.echo(json.dumps([p.to_dict(strict) for p in report.problems], indent=2))
