@@ -551,8 +551,8 @@ def _transposable(x: Linear) -> bool:
         return True
     if x.fn is None or x.calls:  # (a composition without fn_t has a factor JAX cannot transpose)
         return False
-    if x.index is not None:  # a selection known while tracing: JAX transposes it into a scatter-add
-        return True
+    if x.index is not None:  # a selection known while tracing (slice, gather, pad, scatter, ...):
+        return True  # JAX transposes the JVPs of all of them
     known = x.__dict__.get("transposable")
     if known is None:
         try:

@@ -159,14 +159,14 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
     from jaxtool.graph import flatten
     from jaxtool.orders import resolve_order
 
-    recorded = {}
+    recorded, chosen = {}, set(wrt)
 
     def eliminate(args):
         def program(*flat):
             # the leaves not differentiated are read as this trace's values: a custom_jvp/custom_vjp
             # rule that closes over one is traced when elimination applies it, within this trace;
             # their program inputs stay (unused), so the numbering is the one `show` prints
-            full = [x if k in wrt else args[k] for k, x in enumerate(flat)]
+            full = [x if k in chosen else args[k] for k, x in enumerate(flat)]
             return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(in_tree, full)))
 
         recorded["program"] = flatten(jax.make_jaxpr(program)(*args))
