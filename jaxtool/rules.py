@@ -422,9 +422,11 @@ def _selection_index(eqn, invals, i, k):
         return _selection_index_by_evaluation(eqn, invals, i, k)
     shape = _shape(invals[i])
     ops = _concrete_operands(invals, i, np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape), -1)
-    out = None if ops is None else rule(*ops, **eqn.params)
-    if out is None:
+    if ops is None:
         return None
+    out = rule(*ops, **eqn.params)
+    if out is NotImplemented:  # a mode the NumPy form does not model
+        return _selection_index_by_evaluation(eqn, invals, i, k)
     return np.asarray(out[k] if eqn.primitive.multiple_results else out)
 
 
@@ -471,8 +473,9 @@ def _element_index(numbers) -> np.ndarray:
 
 
 def _selection_index_by_evaluation(eqn, invals, i, k):
-    """:func:`_selection_index` for a selection without a NumPy form here (``gather``): the primitive
-    run, while tracing, on element numbers 1, 2, ... in float32 (0 out of bounds: -1)."""
+    """:func:`_selection_index` for a selection without a NumPy form here (a ``gather`` in a mode
+    :func:`_np_gather` does not model): the primitive run, while tracing, on element numbers 1, 2,
+    ... in float32 (0 out of bounds: -1). This runs XLA: a compilation per new shape (40-90 ms)."""
     numbers = _element_numbers(_shape(invals[i]))
     ops = None if numbers is None else _concrete_operands(invals, i, numbers, 0)
     if ops is None:
@@ -517,6 +520,98 @@ def _np_dynamic_slice(x, *starts, slice_sizes):
     return x[tuple(slice(s, s + m) for s, m in zip(starts, slice_sizes))]
 
 
+def _window_starts(operand_shape, indices, index_map, operand_batching, indices_batching, sizes, mode, clamped):
+    """Where the windows of a ``gather`` or ``scatter`` start in the operand, and which are in bounds.
+
+    ``indices`` holds one index vector per batch position on its last axis (JAX's layout); its
+    entry ``k`` is the start along operand axis ``index_map[k]``, and a batch position's coordinate
+    on indices axis ``indices_batching[j]`` is its start along operand axis ``operand_batching[j]``.
+    A window whose ``sizes`` do not fit from its start is clamped into the operand in the modes
+    ``clamped``, else reported out of bounds (the whole window then reads the fill value, or its
+    updates are dropped). Returns ``(starts, in_bounds)`` of shapes ``batch + (operand rank,)`` and
+    ``batch``, or None for a mode other than ``CLIP``, ``FILL_OR_DROP`` and ``PROMISE_IN_BOUNDS``.
+    """
+    modes = jax.lax.GatherScatterMode
+    if mode not in (modes.CLIP, modes.FILL_OR_DROP, modes.PROMISE_IN_BOUNDS):
+        return None
+    indices = np.asarray(indices).astype(np.int64)
+    batch = indices.shape[:-1]
+    starts = np.zeros(batch + (len(operand_shape),), np.int64)
+    for k, axis in enumerate(index_map):
+        starts[..., axis] = indices[..., k]
+    for axis, coordinate in zip(operand_batching, indices_batching):
+        starts[..., axis] = np.arange(batch[coordinate]).reshape((-1,) + (1,) * (len(batch) - coordinate - 1))
+    upper = np.asarray(operand_shape, np.int64) - np.asarray(sizes, np.int64)
+    in_bounds = np.all((starts >= 0) & (starts <= upper), axis=-1)
+    if mode in clamped:
+        in_bounds = np.ones(batch, bool)
+    return np.clip(starts, 0, np.maximum(upper, 0)), in_bounds
+
+
+def _np_gather(operand, indices, *, dimension_numbers, slice_sizes, mode, **_):
+    """``gather`` of NumPy arrays as XLA runs it (``NotImplemented`` for a mode not modelled): a
+    window out of bounds is moved into bounds, or with ``FILL_OR_DROP`` reads -1 (the "no element"
+    of an element-number array; JAX fills it with ``fill_value``, a constant)."""
+    d = dimension_numbers
+    modes = jax.lax.GatherScatterMode
+    found = _window_starts(operand.shape, indices, d.start_index_map, d.operand_batching_dims,
+                           d.start_indices_batching_dims, slice_sizes, mode, (modes.CLIP, modes.PROMISE_IN_BOUNDS))
+    if found is None:
+        return NotImplemented
+    starts, in_bounds = found
+    rank = in_bounds.ndim + len(d.offset_dims)
+    batch_positions = [n for n in range(rank) if n not in d.offset_dims]
+    window_axes = [a for a in range(operand.ndim) if a not in d.collapsed_slice_dims and a not in d.operand_batching_dims]
+    coordinates = _coordinates(starts, slice_sizes, window_axes, d.offset_dims, batch_positions, rank)
+    return np.where(_on(in_bounds, batch_positions, rank), operand[coordinates], -1)
+
+
+def _scatter_targets(out_shape, indices, upd_shape, dimension_numbers, mode):
+    """Per element of a ``scatter``'s updates, the flat index of the output element it goes to, -1
+    where its window is dropped (XLA drops a window out of bounds unless the mode is ``CLIP``,
+    which moves it into bounds); None for a mode not modelled."""
+    d = dimension_numbers
+    window_axes = [a for a in range(len(out_shape))
+                   if a not in d.inserted_window_dims and a not in d.operand_batching_dims]
+    sizes = [1] * len(out_shape)
+    for axis, position in zip(window_axes, d.update_window_dims):
+        sizes[axis] = upd_shape[position]
+    found = _window_starts(out_shape, indices, d.scatter_dims_to_operand_dims, d.operand_batching_dims,
+                           d.scatter_indices_batching_dims, sizes, mode, (jax.lax.GatherScatterMode.CLIP,))
+    if found is None:
+        return None
+    starts, in_bounds = found
+    rank = len(upd_shape)
+    batch_positions = [n for n in range(rank) if n not in d.update_window_dims]
+    coordinates = _coordinates(starts, sizes, window_axes, d.update_window_dims, batch_positions, rank)
+    flat = np.ravel_multi_index(tuple(np.broadcast_arrays(*coordinates)), out_shape) if out_shape else \
+        np.zeros(upd_shape, np.int64)
+    return np.where(_on(in_bounds, batch_positions, rank), flat, -1)
+
+
+def _on(batch_array, batch_positions, rank):
+    """An array over a result's batch positions, laid out on those axes of a rank-``rank`` array."""
+    shape = [1] * rank
+    for n, position in enumerate(batch_positions):
+        shape[position] = batch_array.shape[n]
+    return batch_array.reshape(shape)
+
+
+def _coordinates(starts, sizes, window_axes, window_positions, batch_positions, rank):
+    """Per operand axis, the coordinates of the elements of a rank-``rank`` result (or update):
+    the window start of the element's batch position (its axes ``batch_positions``) plus, on the
+    operand's ``window_axes[j]``, the element's coordinate on its axis ``window_positions[j]``."""
+    coordinates = []
+    for axis in range(starts.shape[-1]):
+        c = _on(starts[..., axis], batch_positions, rank)
+        if axis in window_axes:
+            shape = [1] * rank
+            shape[window_positions[window_axes.index(axis)]] = sizes[axis]
+            c = c + np.arange(sizes[axis]).reshape(shape)
+        coordinates.append(c)
+    return tuple(coordinates)
+
+
 #: NumPy forms of the linear selection primitives, evaluated on element numbers (see ``_selection_index``)
 SELECTION_INDEX = {
     P.slice_p: NUMPY_RULES["slice"],
@@ -527,6 +622,7 @@ SELECTION_INDEX = {
     split_p: lambda x, *, sizes, axis: np.split(x, np.cumsum(sizes)[:-1], axis),
     P.dynamic_slice_p: _np_dynamic_slice,
     P.dynamic_update_slice_p: _np_dynamic_update_slice,
+    P.gather_p: _np_gather,
 }
 
 
@@ -575,17 +671,23 @@ def scatter_add(eqn, invals, outvals, wrt):
 def _scatter_add_as_selections(eqn, invals, outvals):
     """The partial of ``scatter_add`` on its updates as a sum of at most ``MAX_PARTS`` selections,
     or None (traced indices, more updates into one element). The output element each update adds
-    into comes from the transposed map (a gather) run on element numbers 1, 2, ... in float32."""
+    into comes from :func:`_scatter_targets`, or in a mode it does not model from the transposed
+    map (a gather) run on element numbers 1, 2, ... in float32 (XLA: a compilation per new shape)."""
     out_shape, upd_shape = _shape(outvals[0]), _shape(invals[2])
     n_out = int(np.prod(out_shape))
-    numbers = _element_numbers(out_shape)
-    ops = None if numbers is None else _concrete_operands(invals, 2, np.zeros(upd_shape, np.float32), 0)
+    ops = _concrete_operands(invals, 2, np.zeros(upd_shape, np.float32), 0)
     if ops is None:
         return None
-    with jax.ensure_compile_time_eval():
-        (target,) = jax.linear_transpose(lambda t: bind(eqn, ops[0], ops[1], t),
-                                         jax.ShapeDtypeStruct(upd_shape, np.float32))(numbers)
-    target = _element_index(target).reshape(-1)  # per update: its output element
+    target = _scatter_targets(out_shape, ops[1], upd_shape, eqn.params["dimension_numbers"], eqn.params["mode"])
+    if target is None:
+        numbers = _element_numbers(out_shape)
+        if numbers is None:
+            return None
+        with jax.ensure_compile_time_eval():
+            (moved,) = jax.linear_transpose(lambda t: bind(eqn, ops[0], ops[1], t),
+                                            jax.ShapeDtypeStruct(upd_shape, np.float32))(numbers)
+        target = _element_index(moved)
+    target = target.reshape(-1)  # per update: its output element
     added = np.flatnonzero(target >= 0)
     counts = np.bincount(target[added], minlength=n_out)
     if not 0 < counts.max(initial=0) <= MAX_PARTS:

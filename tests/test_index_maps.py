@@ -1,0 +1,151 @@
+"""The NumPy forms of ``gather`` and of ``scatter``'s targets against XLA running the primitive.
+
+The engine reads which operand element each output element of a ``gather`` copies (and where each
+update of a ``scatter-add`` goes) from NumPy forms of XLA's semantics, so that a new index shape
+costs no XLA compilation while tracing. Here both are compared, equation by equation, with what
+XLA computes: the gather run on element numbers, the scatter's transpose (a gather) likewise.
+The equations come from the indexing JAX users write (``x[idx]``, ``.at[...]``, ``take``,
+``take_along_axis``, ``segment_sum``, vmapped indexing with batching dimensions) and from
+``lax.gather``/``lax.scatter_add`` with windows partly out of bounds, in every mode.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend.core import Literal
+
+from jaxtool import rules
+
+X1 = np.linspace(-1.0, 1.0, 7).astype(np.float32)
+X2 = np.linspace(-1.0, 1.0, 20).astype(np.float32).reshape(4, 5)
+X3 = np.linspace(-1.0, 1.0, 60).astype(np.float32).reshape(3, 4, 5)
+I1 = np.array([0, 6, 2, 2, -1])
+I2 = np.array([[0, 3], [2, 1]])
+MODES = list(lax.GatherScatterMode)
+G = lax.GatherDimensionNumbers
+S = lax.ScatterDimensionNumbers
+
+
+def _window_gather(mode):
+    # windows of 3 rows starting at rows -1, 0, 2, 3 of a 4x5 operand: partly out of bounds
+    dnums = G(offset_dims=(1, 2), collapsed_slice_dims=(), start_index_map=(0,))
+    return lambda x: lax.gather(x, np.array([[-1], [0], [2], [3]]), dnums, (3, 5), mode=mode)
+
+
+def _window_scatter(mode):
+    dnums = S(update_window_dims=(1, 2), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,))
+    return lambda x, u: lax.scatter_add(x, np.array([[-1], [0], [2], [3]]), u, dnums, mode=mode)
+
+
+def _two_axis_window_gather(mode):
+    dnums = G(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0, 1))
+    return lambda x: lax.gather(x, np.array([[0, 4], [3, 2], [1, 3], [5, 0]]), dnums, (1, 2), mode=mode)
+
+
+GATHERS = {
+    "x[idx]": (lambda x: x[I1], (X1,)),
+    "x[2-d idx]": (lambda x: x[I2], (X1,)),
+    "rows": (lambda x: x[np.array([3, 0, 3])], (X2,)),
+    "columns": (lambda x: x[:, np.array([4, 0, 1])], (X2,)),
+    "points": (lambda x: x[np.array([0, 3, 1]), np.array([4, 4, 0])], (X2,)),
+    "axes 0 and 2": (lambda x: x[np.array([2, 0]), :, np.array([1, 4])], (X3,)),
+    "clip": (lambda x: x.at[np.array([0, 9, -3])].get(mode="clip"), (X1,)),
+    "fill": (lambda x: x.at[np.array([0, 9, -9, 6])].get(mode="fill", fill_value=2.0), (X1,)),
+    "promise": (lambda x: x.at[np.array([1, 5])].get(mode="promise_in_bounds"), (X1,)),
+    "take axis 1": (lambda x: jnp.take(x, np.array([4, 0, 2]), axis=1), (X3,)),
+    "take_along_axis": (lambda x: jnp.take_along_axis(x, np.array([[1, 0, 4], [2, 2, 3], [0, 1, 1], [4, 3, 2]]), axis=1),
+                        (X2,)),
+    "vmapped (batching dims)": (lambda x: jax.vmap(lambda row, i: row[i])(x, np.array([[0, 4], [1, 1], [3, 2], [4, 0]])),
+                                (X2,)),
+    "vmapped over axis 1": (lambda x: jax.vmap(lambda col, i: col[i], in_axes=(1, 0))(x, np.array([3, 0, 1, 2, 2])),
+                            (X2,)),
+    **{f"window rows, {m.name}": (_window_gather(m), (X2,)) for m in MODES if m.name != "ONE_HOT"},
+    **{f"two-axis windows, {m.name}": (_two_axis_window_gather(m), (X2,)) for m in MODES if m.name != "ONE_HOT"},
+}
+
+SCATTERS = {
+    "add at idx": (lambda x, u: x.at[I1].add(u), (X1, X1[:5])),
+    "add rows": (lambda x, u: x.at[np.array([3, 0, 3])].add(u), (X2, X2[:3])),
+    "add columns": (lambda x, u: x.at[:, np.array([4, 0, 4])].add(u), (X2, X2[:, :3])),
+    "add points": (lambda x, u: x.at[np.array([0, 3, 0]), np.array([4, 4, 4])].add(u), (X2, X1[:3])),
+    "drop out of bounds": (lambda x, u: x.at[np.array([0, 9, -9, 6])].add(u, mode="drop"), (X1, X1[:4])),
+    "clip": (lambda x, u: x.at[np.array([0, 9, -9, 6])].add(u, mode="clip"), (X1, X1[:4])),
+    "promise": (lambda x, u: x.at[np.array([1, 5, 1])].add(u, mode="promise_in_bounds"), (X1, X1[:3])),
+    "segment_sum": (lambda x, u: x + jax.ops.segment_sum(u, np.array([0, 1, 1, 2, 0, 6, 3]), 7), (X1, X1)),
+    "vmapped (batching dims)": (lambda x, u: jax.vmap(lambda row, v: row.at[np.array([0, 4, 0])].add(v))(x, u),
+                                (X2, X2[:, :3])),
+    **{f"window rows, {m.name}": (_window_scatter(m), (X2, np.ones((4, 3, 5), np.float32)))
+       for m in MODES if m.name != "ONE_HOT"},
+}
+
+
+def _applications(fun, args, primitive):
+    """Each ``primitive`` equation that running ``fun`` on ``args`` meets (in nested jits too), with
+    the values of its inputs."""
+    found = []
+
+    def run(jaxpr, consts, values):
+        env = dict(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, values))
+        read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+        for e in jaxpr.eqns:
+            invals = [read(v) for v in e.invars]
+            if e.primitive.name == "jit":
+                outs = run(e.params["jaxpr"].jaxpr, e.params["jaxpr"].consts, invals)
+            else:
+                if e.primitive.name == primitive:
+                    found.append((e, [np.asarray(x) for x in invals]))
+                outs = e.primitive.bind(*invals, **e.params)
+                outs = outs if e.primitive.multiple_results else [outs]
+            env.update(zip(e.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    closed = jax.make_jaxpr(fun)(*args)
+    run(closed.jaxpr, closed.consts, args)
+    assert found, f"no {primitive} in the program"
+    return found
+
+
+@pytest.mark.parametrize("name", GATHERS)
+def test_numpy_gather_copies_the_elements_xla_copies(name):
+    fun, args = GATHERS[name]
+    for eqn, invals in _applications(fun, args, "gather"):
+        shape = invals[0].shape
+        numbers = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+        ours = rules._np_gather(numbers, invals[1], **eqn.params)
+        by_xla = rules._selection_index_by_evaluation(eqn, invals, 0, 0)
+        np.testing.assert_array_equal(ours, by_xla)
+
+
+@pytest.mark.parametrize("name", SCATTERS)
+def test_scatter_targets_are_where_xla_adds_the_updates(name):
+    fun, args = SCATTERS[name]
+    for eqn, (operand, indices, updates) in _applications(fun, args, "scatter-add"):
+        ours = rules._scatter_targets(operand.shape, indices, updates.shape, eqn.params["dimension_numbers"],
+                                      eqn.params["mode"])
+        # XLA: each update element's number (1, 2, ...) added into zeros; every output element
+        # that receives exactly one update names it
+        numbers = np.arange(1, updates.size + 1, dtype=np.float32).reshape(updates.shape)
+        added = np.asarray(eqn.primitive.bind(np.zeros(operand.shape, np.float32), indices, numbers, **eqn.params))
+        counts = np.asarray(eqn.primitive.bind(np.zeros(operand.shape, np.float32), indices,
+                                               np.ones(updates.shape, np.float32), **eqn.params))
+        expected_counts = np.bincount(ours[ours >= 0].ravel(), minlength=operand.size).reshape(operand.shape)
+        np.testing.assert_array_equal(counts, expected_counts)
+        single = counts == 1
+        owner = np.full(operand.size, -1)
+        owner[ours[ours >= 0]] = np.flatnonzero(ours >= 0)
+        np.testing.assert_array_equal(added[single], owner.reshape(operand.shape)[single] + 1)
+        # and where several updates meet, their numbers add up
+        sums = np.zeros(operand.size)
+        np.add.at(sums, ours[ours >= 0], np.flatnonzero(ours.ravel() >= 0) + 1)
+        np.testing.assert_allclose(added.ravel(), sums)
+
+
+def test_a_mode_the_numpy_forms_do_not_model_is_left_to_xla():
+    dnums = G(offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,))
+    assert rules._np_gather(np.arange(5), np.array([[1]]), dimension_numbers=dnums, slice_sizes=(1,),
+                            mode=lax.GatherScatterMode.ONE_HOT) is NotImplemented
+    sdnums = S(update_window_dims=(), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,))
+    assert rules._scatter_targets((5,), np.array([[1]]), (1,), sdnums, lax.GatherScatterMode.ONE_HOT) is None
