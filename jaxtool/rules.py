@@ -322,7 +322,7 @@ def cumulative(eqn, invals, outvals, wrt):
     """Diagonal across the other axes, a triangular block along the scanned axis."""
     if not wrt:
         return []
-    x, y = invals[0], outvals[0]
+    x = invals[0]
     shape = _shape(x)
     axis = eqn.params["axis"] % len(shape)
     n = shape[axis]

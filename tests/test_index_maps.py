@@ -16,6 +16,7 @@ import pytest
 from jax import lax
 from jax.extend.core import Literal
 
+import jaxtool
 from jaxtool import rules
 
 X1 = np.linspace(-1.0, 1.0, 7).astype(np.float32)
@@ -149,3 +150,33 @@ def test_a_mode_the_numpy_forms_do_not_model_is_left_to_xla():
                             mode=lax.GatherScatterMode.ONE_HOT) is NotImplemented
     sdnums = S(update_window_dims=(), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,))
     assert rules._scatter_targets((5,), np.array([[1]]), (1,), sdnums, lax.GatherScatterMode.ONE_HOT) is None
+
+
+@pytest.fixture
+def compilations():
+    """The names of the XLA compilations that run while the test runs (via ``jax.monitoring``)."""
+    seen = []
+
+    def listener(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("order, n", [("fwd", 7), ("rev", 8)])
+def test_differentiating_indexing_compiles_the_jacobian_only(order, n, compilations):
+    # shapes no other test (or order) uses, so no XLA executable run before could hide a compilation
+    indices = np.array([0, 10, 10, 3, 0, 12, 12, 5])[:n]
+    rows = np.array([[0, 2], [1, 1], [10, 0]])
+
+    def f(x, table):
+        return jax.ops.segment_sum(x * x, indices, 13), table[rows] * x[:3], x.at[np.array([1, 20])].get(mode="fill")
+
+    x, table = np.linspace(0.5, 1.5, n, dtype=np.float32), np.linspace(-1, 1, 33, dtype=np.float32).reshape(11, 3)
+    jacobian = jax.jit(jaxtool.jacve(f, order=order, argnums=(0, 1)))(x, table)
+    assert len(compilations) == 1
+    reference = jax.jacrev(f, argnums=(0, 1))(x, table)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), jacobian, reference)
