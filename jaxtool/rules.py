@@ -561,7 +561,8 @@ def _np_gather(operand, indices, *, dimension_numbers, slice_sizes, mode, **_):
     starts, in_bounds = found
     rank = in_bounds.ndim + len(d.offset_dims)
     batch_positions = [n for n in range(rank) if n not in d.offset_dims]
-    window_axes = [a for a in range(operand.ndim) if a not in d.collapsed_slice_dims and a not in d.operand_batching_dims]
+    window_axes = [a for a in range(operand.ndim)
+                   if a not in d.collapsed_slice_dims and a not in d.operand_batching_dims]
     coordinates = _coordinates(starts, slice_sizes, window_axes, d.offset_dims, batch_positions, rank)
     return np.where(_on(in_bounds, batch_positions, rank), operand[coordinates], -1)
 

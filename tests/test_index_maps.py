@@ -6,7 +6,9 @@ costs no XLA compilation while tracing. Here both are compared, equation by equa
 XLA computes: the gather run on element numbers, the scatter's transpose (a gather) likewise.
 The equations come from the indexing JAX users write (``x[idx]``, ``.at[...]``, ``take``,
 ``take_along_axis``, ``segment_sum``, vmapped indexing with batching dimensions) and from
-``lax.gather``/``lax.scatter_add`` with windows partly out of bounds, in every mode.
+``lax.gather``/``lax.scatter_add`` with windows partly out of bounds, in every mode, and from 150
+random gathers and 150 random scatters (random ranks, index maps in any order, collapsed or
+inserted axes, window sizes and positions, batching dimensions, indices out of bounds, modes).
 """
 
 import jax
@@ -56,10 +58,10 @@ GATHERS = {
     "fill": (lambda x: x.at[np.array([0, 9, -9, 6])].get(mode="fill", fill_value=2.0), (X1,)),
     "promise": (lambda x: x.at[np.array([1, 5])].get(mode="promise_in_bounds"), (X1,)),
     "take axis 1": (lambda x: jnp.take(x, np.array([4, 0, 2]), axis=1), (X3,)),
-    "take_along_axis": (lambda x: jnp.take_along_axis(x, np.array([[1, 0, 4], [2, 2, 3], [0, 1, 1], [4, 3, 2]]), axis=1),
-                        (X2,)),
-    "vmapped (batching dims)": (lambda x: jax.vmap(lambda row, i: row[i])(x, np.array([[0, 4], [1, 1], [3, 2], [4, 0]])),
-                                (X2,)),
+    "take_along_axis": (lambda x: jnp.take_along_axis(x, np.array([[1, 0, 4], [2, 2, 3], [0, 1, 1], [4, 3, 2]]),
+                                                      axis=1), (X2,)),
+    "vmapped (batching dims)": (lambda x: jax.vmap(lambda row, i: row[i])(x, np.array([[0, 4], [1, 1], [3, 2],
+                                                                                      [4, 0]])), (X2,)),
     "vmapped over axis 1": (lambda x: jax.vmap(lambda col, i: col[i], in_axes=(1, 0))(x, np.array([3, 0, 1, 2, 2])),
                             (X2,)),
     **{f"window rows, {m.name}": (_window_gather(m), (X2,)) for m in MODES if m.name != "ONE_HOT"},
@@ -180,3 +182,81 @@ def test_differentiating_indexing_compiles_the_jacobian_only(order, n, compilati
     assert len(compilations) == 1
     reference = jax.jacrev(f, argnums=(0, 1))(x, table)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), jacobian, reference)
+
+
+def _random_gather(rng):
+    """A random valid ``gather``: operand, indices (some out of bounds) and parameters."""
+    rank = int(rng.integers(1, 4))
+    shape = tuple(int(n) for n in rng.integers(1, 5, rank))
+    axes = list(rng.permutation(rank))
+    batching = [axes.pop()] if rank > 1 and rng.random() < 0.3 else []
+    index_map = axes[:int(rng.integers(1, len(axes) + 1))]  # in random order
+    collapsed = sorted(a for a in axes if rng.random() < 0.5)
+    sizes = [1 if a in batching or a in collapsed else int(rng.integers(1, shape[a] + 1)) for a in range(rank)]
+    batch = [int(n) for n in rng.integers(1, 4, int(rng.integers(0, 3)))]
+    indices_batching = []
+    if batching:
+        position = int(rng.integers(0, len(batch) + 1))
+        batch.insert(position, shape[batching[0]])
+        indices_batching = [position]
+    indices = rng.integers(-2, max(shape) + 2, tuple(batch) + (len(index_map),))
+    n_offsets = rank - len(collapsed) - len(batching)
+    offsets = tuple(sorted(int(n) for n in rng.choice(len(batch) + n_offsets, n_offsets, replace=False)))
+    dnums = G(offset_dims=offsets, collapsed_slice_dims=tuple(collapsed),
+              start_index_map=tuple(int(a) for a in index_map), operand_batching_dims=tuple(int(a) for a in batching),
+              start_indices_batching_dims=tuple(indices_batching))
+    mode = MODES[int(rng.integers(0, 3))]
+    operand = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    return operand, indices, dict(dimension_numbers=dnums, slice_sizes=tuple(sizes), mode=mode)
+
+
+def _random_scatter(rng):
+    """A random valid ``scatter-add``: operand shape, indices (some out of bounds), updates shape,
+    dimension numbers and mode."""
+    rank = int(rng.integers(1, 4))
+    shape = tuple(int(n) for n in rng.integers(1, 5, rank))
+    axes = list(rng.permutation(rank))
+    batching = [axes.pop()] if rank > 1 and rng.random() < 0.3 else []
+    index_map = axes[:int(rng.integers(1, len(axes) + 1))]
+    inserted = sorted(a for a in axes if rng.random() < 0.5)
+    window_axes = [a for a in range(rank) if a not in inserted and a not in batching]
+    batch = [int(n) for n in rng.integers(1, 4, int(rng.integers(0, 3)))]
+    indices_batching = []
+    if batching:
+        position = int(rng.integers(0, len(batch) + 1))
+        batch.insert(position, shape[batching[0]])
+        indices_batching = [position]
+    indices = rng.integers(-2, max(shape) + 2, tuple(batch) + (len(index_map),))
+    windows = tuple(sorted(int(n) for n in rng.choice(len(batch) + len(window_axes), len(window_axes), replace=False)))
+    upd_shape = [0] * (len(batch) + len(window_axes))
+    for position, axis in zip(windows, window_axes):
+        upd_shape[position] = int(rng.integers(1, shape[axis] + 1))
+    rest = iter(batch)
+    upd_shape = tuple(n if n else next(rest) for n in upd_shape)
+    dnums = S(update_window_dims=windows, inserted_window_dims=tuple(int(a) for a in inserted),
+              scatter_dims_to_operand_dims=tuple(int(a) for a in index_map),
+              operand_batching_dims=tuple(int(a) for a in batching),
+              scatter_indices_batching_dims=tuple(indices_batching))
+    return shape, indices, upd_shape, dnums, MODES[int(rng.integers(0, 3))]
+
+
+def test_random_gathers_agree_with_xla():
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        operand, indices, params = _random_gather(rng)
+        (eqn, invals), = _applications(lambda x: lax.gather(x, indices, **params), (operand,), "gather")
+        numbers = np.arange(operand.size, dtype=np.int64).reshape(operand.shape)
+        np.testing.assert_array_equal(rules._np_gather(numbers, invals[1], **eqn.params),
+                                      rules._selection_index_by_evaluation(eqn, invals, 0, 0), err_msg=str(params))
+
+
+def test_random_scatters_agree_with_xla():
+    rng = np.random.default_rng(1)
+    for _ in range(150):
+        shape, indices, upd_shape, dnums, mode = _random_scatter(rng)
+        numbers = np.arange(1, int(np.prod(upd_shape)) + 1, dtype=np.float32).reshape(upd_shape)
+        added = np.asarray(lax.scatter_add(np.zeros(shape, np.float32), indices, numbers, dnums, mode=mode))
+        ours = rules._scatter_targets(shape, indices, upd_shape, dnums, mode)
+        expected = np.zeros(int(np.prod(shape)))
+        np.add.at(expected, ours[ours >= 0], numbers.ravel()[(ours >= 0).ravel()])
+        np.testing.assert_array_equal(added.ravel(), expected, err_msg=f"{shape} {dnums} {mode}")
