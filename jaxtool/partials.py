@@ -869,7 +869,7 @@ def _contract(operands, specs, out_layout, loop, dtype):
     if not summed:
         return product
     terms = int(np.prod(full[len(out_layout):]))
-    if terms > UNROLLED_SUM:
+    if not 0 < terms <= UNROLLED_SUM:  # (a sum of no terms is zero)
         return lax.reduce_sum(product, tuple(range(len(out_layout), len(layout))))
     product = product.reshape(out_shape + (terms,))
     total = None

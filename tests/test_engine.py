@@ -1238,6 +1238,8 @@ def test_zero_size_values_broadcast_against_size_one_values():
     ((6, 2, 3), (2, 6, 3), (((2,), (2,)), ((0, 1), (1, 0)))),
     ((2, 3), (4,), (((), ()), ((), ()))),  # an outer product
     ((0, 3), (3, 2), (((1,), (0,)), ((), ()))),
+    ((3, 0), (0, 2), (((1,), (0,)), ((), ()))),  # a sum of no terms: zeros
+    ((2, 3), (3, 2), (((1,), (0,)), ((), ()))),  # a sum of 3 terms: written out as additions
     ((32, 32), (32, 32), (((1,), (0,)), ((), ()))),  # over SMALL_CONTRACTION: lax.dot_general itself
     ((8, 4), (4,), (((1,), (0,)), ((), ()))),  # matrix-vector products: lax.dot_general whatever their size
     ((4,), (4, 8), (((0,), (0,)), ((), ()))),
