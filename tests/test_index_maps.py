@@ -184,15 +184,16 @@ def test_differentiating_indexing_compiles_the_jacobian_only(order, n, compilati
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), jacobian, reference)
 
 
-def _random_gather(rng):
-    """A random valid ``gather``: operand, indices (some out of bounds) and parameters."""
+def _random_indexing(rng):
+    """The parts a random ``gather`` and ``scatter`` share: an operand shape, its batching axis (or
+    none) and the axes the index vectors address (in random order), the other axes, the batch
+    shape of the indices with the batching axis inserted, where, and the indices themselves (some
+    out of bounds)."""
     rank = int(rng.integers(1, 4))
     shape = tuple(int(n) for n in rng.integers(1, 5, rank))
-    axes = list(rng.permutation(rank))
+    axes = [int(a) for a in rng.permutation(rank)]
     batching = [axes.pop()] if rank > 1 and rng.random() < 0.3 else []
-    index_map = axes[:int(rng.integers(1, len(axes) + 1))]  # in random order
-    collapsed = sorted(a for a in axes if rng.random() < 0.5)
-    sizes = [1 if a in batching or a in collapsed else int(rng.integers(1, shape[a] + 1)) for a in range(rank)]
+    index_map = axes[:int(rng.integers(1, len(axes) + 1))]
     batch = [int(n) for n in rng.integers(1, 4, int(rng.integers(0, 3)))]
     indices_batching = []
     if batching:
@@ -200,43 +201,37 @@ def _random_gather(rng):
         batch.insert(position, shape[batching[0]])
         indices_batching = [position]
     indices = rng.integers(-2, max(shape) + 2, tuple(batch) + (len(index_map),))
-    n_offsets = rank - len(collapsed) - len(batching)
+    return shape, tuple(batching), tuple(index_map), axes, batch, tuple(indices_batching), indices
+
+
+def _random_gather(rng):
+    """A random valid ``gather``: operand, indices and parameters."""
+    shape, batching, index_map, axes, batch, indices_batching, indices = _random_indexing(rng)
+    collapsed = tuple(sorted(a for a in axes if rng.random() < 0.5))
+    sizes = [1 if a in batching or a in collapsed else int(rng.integers(1, shape[a] + 1)) for a in range(len(shape))]
+    n_offsets = len(shape) - len(collapsed) - len(batching)
     offsets = tuple(sorted(int(n) for n in rng.choice(len(batch) + n_offsets, n_offsets, replace=False)))
-    dnums = G(offset_dims=offsets, collapsed_slice_dims=tuple(collapsed),
-              start_index_map=tuple(int(a) for a in index_map), operand_batching_dims=tuple(int(a) for a in batching),
-              start_indices_batching_dims=tuple(indices_batching))
+    dnums = G(offset_dims=offsets, collapsed_slice_dims=collapsed, start_index_map=index_map,
+              operand_batching_dims=batching, start_indices_batching_dims=indices_batching)
     mode = MODES[int(rng.integers(0, 3))]
     operand = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
     return operand, indices, dict(dimension_numbers=dnums, slice_sizes=tuple(sizes), mode=mode)
 
 
 def _random_scatter(rng):
-    """A random valid ``scatter-add``: operand shape, indices (some out of bounds), updates shape,
-    dimension numbers and mode."""
-    rank = int(rng.integers(1, 4))
-    shape = tuple(int(n) for n in rng.integers(1, 5, rank))
-    axes = list(rng.permutation(rank))
-    batching = [axes.pop()] if rank > 1 and rng.random() < 0.3 else []
-    index_map = axes[:int(rng.integers(1, len(axes) + 1))]
-    inserted = sorted(a for a in axes if rng.random() < 0.5)
-    window_axes = [a for a in range(rank) if a not in inserted and a not in batching]
-    batch = [int(n) for n in rng.integers(1, 4, int(rng.integers(0, 3)))]
-    indices_batching = []
-    if batching:
-        position = int(rng.integers(0, len(batch) + 1))
-        batch.insert(position, shape[batching[0]])
-        indices_batching = [position]
-    indices = rng.integers(-2, max(shape) + 2, tuple(batch) + (len(index_map),))
+    """A random valid ``scatter-add``: operand shape, indices, updates shape, dimension numbers
+    and mode."""
+    shape, batching, index_map, axes, batch, indices_batching, indices = _random_indexing(rng)
+    inserted = tuple(sorted(a for a in axes if rng.random() < 0.5))
+    window_axes = [a for a in range(len(shape)) if a not in inserted and a not in batching]
     windows = tuple(sorted(int(n) for n in rng.choice(len(batch) + len(window_axes), len(window_axes), replace=False)))
     upd_shape = [0] * (len(batch) + len(window_axes))
     for position, axis in zip(windows, window_axes):
         upd_shape[position] = int(rng.integers(1, shape[axis] + 1))
     rest = iter(batch)
     upd_shape = tuple(n if n else next(rest) for n in upd_shape)
-    dnums = S(update_window_dims=windows, inserted_window_dims=tuple(int(a) for a in inserted),
-              scatter_dims_to_operand_dims=tuple(int(a) for a in index_map),
-              operand_batching_dims=tuple(int(a) for a in batching),
-              scatter_indices_batching_dims=tuple(indices_batching))
+    dnums = S(update_window_dims=windows, inserted_window_dims=inserted, scatter_dims_to_operand_dims=index_map,
+              operand_batching_dims=batching, scatter_indices_batching_dims=indices_batching)
     return shape, indices, upd_shape, dnums, MODES[int(rng.integers(0, 3))]
 
 
