@@ -871,7 +871,7 @@ def _contract(operands, specs, out_layout, loop, dtype):
     terms = int(np.prod(full[len(out_layout):]))
     if not 0 < terms <= UNROLLED_SUM:  # (a sum of no terms is zero)
         return lax.reduce_sum(product, tuple(range(len(out_layout), len(layout))))
-    product = product.reshape(out_shape + (terms,))
+    product = reshaped(product, out_shape + (terms,))
     total = None
     for j in range(terms):
         term = lax.squeeze(lax.slice_in_dim(product, j, j + 1, axis=-1), (len(out_shape),))
