@@ -249,13 +249,15 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     return jacobian_staged
 
 
-def trace_problem(fun, *args, argnums=0, has_aux=False) -> Problem:
-    """The elimination problem of ``fun`` at ``args``: its graph of partials and eliminable vertices
-    (with ``has_aux``, ``fun`` returns ``(output, aux)`` as for :func:`jacve`: array aux leaves are
-    outputs of the program too, as in the program ``jacve`` eliminates).
+def trace_problem(fun, *args, argnums=0, has_aux=False, **kwargs) -> Problem:
+    """The elimination problem of ``fun`` at ``args`` and ``kwargs``: its graph of partials and
+    eliminable vertices (with ``has_aux``, ``fun`` returns ``(output, aux)`` as for :func:`jacve`:
+    array aux leaves are outputs of the program too, as in the program ``jacve`` eliminates).
+    Keyword arguments are traced as :func:`jacve` traces them, so the vertices are numbered as
+    in the program a ``jacve`` call with the same arguments eliminates.
 
     ``problem.eliminable`` lists the vertices a custom order must permute;
     ``jaxtool.elimination.run(problem.plan(), order)`` costs an order without computing values.
     """
-    program, values, wrt, *_ = _trace(fun, args, {}, _positions(argnums), has_aux, INTEGERS)
+    program, values, wrt, *_ = _trace(fun, args, kwargs, _positions(argnums), has_aux, INTEGERS)
     return build(program, values, wrt)

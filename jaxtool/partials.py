@@ -11,7 +11,10 @@ tangents of ``v`` (``out_shape``). Its dense form has shape ``out_shape + in_sha
     output axis followed by one per unpaired input axis (in input-axis order), each of full size or
     of size 1 (constant along that axis). Elementwise ops are all-paired (diagonal), broadcasts and
     reductions are size-1 axes, ``dot_general`` is dense only over the axes it couples, and
-    ``unit`` partials (transpose, ``reduce_sum``, copies) store no values at all.
+    ``unit`` partials (transpose, ``reduce_sum``, copies) store no values at all. A ``select_n``
+    (``jnp.where``) or ``clamp`` partial also carries ``live``, False where its operand is not
+    selected: an exact zero, which no infinite or NaN partial nearer the outputs turns into NaN
+    (see :attr:`Sparse.live`).
 
 :class:`Linear`
     ``J(t) = scale * fn(t)``: a linear function applied lazily, for structural ops (reshape,
@@ -99,6 +102,11 @@ class Sparse(Partial):
     dtype: np.dtype
     val: Optional[jax.Array] = None
     unit: bool = False  # every stored value is exactly one; ``val`` is not kept
+    #: booleans of ``val_shape``, False at an exact zero (an operand that ``select_n`` or ``clamp``
+    #: does not select): a product whose factor nearer the inputs is an exact zero there is that
+    #: zero whatever its other factor, as a cotangent passing a select is (:func:`_with_exact_zeros`);
+    #: None: all live
+    live: Optional[jax.Array] = None
 
     # -- construction -------------------------------------------------------------------------
     @staticmethod
@@ -136,6 +144,7 @@ class Sparse(Partial):
         paired = [p for p in self.pairs if p is not None]
         assert len(set(paired)) == len(paired)
         assert all(self.out_shape[k] == self.in_shape[p] for k, p in enumerate(self.pairs) if p is not None)
+        assert self.live is None or tuple(self.live.shape) == tuple(self.val_shape), (self.live.shape, self.val_shape)
 
     # -- structure ----------------------------------------------------------------------------
     @functools.cached_property
@@ -167,7 +176,7 @@ class Sparse(Partial):
         return 0 if self.unit else _size(self.val_shape)
 
     def plan(self) -> "Sparse":
-        return self if self.val is None else replace(self, val=None)
+        return self if self.val is None else replace(self, val=None, live=None)
 
     def values(self):
         """The stored values (ones for a unit partial)."""
@@ -194,9 +203,7 @@ class Sparse(Partial):
             n = self.out_shape[k]
             val_shape[k] = n
             val_shape[nout + new_unpaired.index(self.pairs[k])] = n
-        val = None
-        if not self.abstract:
-            v = self.values()
+        def spread(v):
             # move stored in-axes into their new slots, then keep them on the deltas only (a select,
             # not a product: an infinite value off the delta is no path, and must not become NaN)
             expanded = reshaped(v, v.shape[:nout] + tuple(
@@ -207,8 +214,11 @@ class Sparse(Partial):
                 eye_shape[k] = n
                 eye_shape[nout + new_unpaired.index(self.pairs[k])] = n
                 expanded = _zero_unless(np.eye(n, dtype=bool).reshape(eye_shape), expanded)
-            val = jnp.broadcast_to(expanded, tuple(val_shape))
-        return Sparse(self.out_shape, self.in_shape, tuple(pairs), tuple(val_shape), self.dtype, val)
+            return jnp.broadcast_to(expanded, tuple(val_shape))
+
+        val = None if self.abstract else spread(self.values())
+        live = None if self.live is None else spread(self.live)
+        return Sparse(self.out_shape, self.in_shape, tuple(pairs), tuple(val_shape), self.dtype, val, live=live)
 
     def to_dense(self):
         """The dense Jacobian block, shape ``out_shape + in_shape``."""
@@ -698,11 +708,42 @@ def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
     result = plan.result
     if result.unit or a.abstract or b.abstract:
         return result, plan.cost
-    operands = [(part.val, keep) for part, keep in ((b, plan.b_keep), (a, plan.a_keep)) if keep is not None]
-    val = _contract(operands, plan.specs, plan.out_layout, plan.loop, result.dtype)
+    kept = [(part, keep) for part, keep in ((b, plan.b_keep), (a, plan.a_keep)) if keep is not None]
+    val = _contract([(part.val, keep) for part, keep in kept], plan.specs, plan.out_layout, plan.loop, result.dtype)
     if plan.factor != 1:
         val = lax.mul(val, np.asarray(plan.factor, result.dtype))
-    return replace(result, val=val), plan.cost
+    return _with_exact_zeros(replace(result, val=val), b, a, kept, plan), plan.cost
+
+
+def _with_exact_zeros(product: Sparse, b: Sparse, a: Sparse, kept, plan: "_ProductPlan") -> Sparse:
+    """The product ``b o a`` with the exact zeros of its factors (:attr:`Sparse.live`) applied as
+    ``jax.jacrev`` applies them, a cotangent passing ``b`` and then ``a``.
+
+    Where ``a`` is an exact zero the product is ``a``'s value (a select: zero, whatever ``b``), and
+    an exact zero; where ``b`` is, the product is ``b``'s zero times ``a``'s value (NaN where that
+    is infinite or NaN), and an exact zero. This composition is associative: every elimination
+    order gives the result of the path's cotangent. Exact zeros on an axis the product sums over
+    are kept as plain zeros (where ``a`` has them, its product is not selected)."""
+    if a.live is None and b.live is None:
+        return product
+    laid = {}
+    for (part, keep), spec in zip(kept, plan.specs):
+        if part.live is not None and set(spec) <= set(plan.out_layout) - {None}:
+            def lay(v, keep=keep, spec=spec):
+                shape = tuple(v.shape[keep[spec.index(l)]] if l is not None and l in spec else 1
+                              for l in plan.out_layout)
+                return _broadcast_to(_laid_out(v, keep, spec, plan.out_layout, shape), product.val_shape)
+            laid[id(part)] = lay
+    val, live = product.val, None
+    if a.live is not None:
+        if id(a) not in laid:
+            return product
+        live = laid[id(a)](a.live)
+        val = lax.select(live, val, laid[id(a)](cast(a.val, product.dtype)))
+    if id(b) in laid:
+        live_b = laid[id(b)](b.live)
+        live = live_b if live is None else lax.bitwise_and(live, live_b)
+    return replace(product, val=val, live=live)
 
 
 @dataclass(frozen=True)
@@ -1288,7 +1329,10 @@ def _sparse_add(x: Sparse, y: Sparse) -> tuple[Sparse, Cost]:
     x, y = x.unpair(unpaired), y.unpair(unpaired)
     dtype = result.dtype
     xv, yv = (cast(v, dtype) for v in (x.values(), y.values()))
-    return replace(result, val=_broadcasting(lax.add, xv, yv)), cost
+    live = None  # (exact zeros where neither term is live)
+    if x.live is not None and y.live is not None:
+        live = _broadcast_to(_broadcasting(lax.bitwise_or, x.live, y.live), result.val_shape)
+    return replace(result, val=_broadcasting(lax.add, xv, yv), live=live), cost
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -140,7 +140,7 @@ ELEMENTWISE = [
     P.exp2_p, P.expm1_p, P.log_p, P.log1p_p, P.sin_p, P.cos_p, P.tan_p, P.asin_p, P.acos_p,
     P.atan_p, P.atan2_p, P.sinh_p, P.cosh_p, P.tanh_p, P.asinh_p, P.acosh_p, P.atanh_p,
     P.logistic_p, P.sqrt_p, P.rsqrt_p, P.cbrt_p, P.pow_p, P.integer_pow_p, P.square_p, P.erf_p,
-    P.erfc_p, P.erf_inv_p, P.select_n_p, P.rem_p,
+    P.erfc_p, P.erf_inv_p, P.rem_p,
     P.lgamma_p, P.digamma_p, P.igamma_p, P.igammac_p, P.nextafter_p, P.reduce_precision_p,
     P.bessel_i0e_p, P.bessel_i1e_p, P.polygamma_p, P.zeta_p,
 ]
@@ -185,6 +185,28 @@ def signed_sum(eqn, invals, outvals, wrt):
                                     jnp.asarray(-1, dtype) if i in negative else None, dtype)) for i in wrt]
 
 
+def _chosen_partial(x_shape, out_shape, chosen, dtype) -> Sparse:
+    """The partial of an operand that is the result where ``chosen`` holds (broadcastable to
+    ``out_shape``): one there, and elsewhere an exact zero (:attr:`~jaxtool.partials.Sparse.live`),
+    as JAX's JVP rules of ``select_n`` and ``clamp`` select the tangent rather than multiply it."""
+    chosen = jnp.broadcast_to(chosen, out_shape)
+    # (a select, not a conversion of the booleans: XLA turns a product with converted booleans
+    # into a select, which would drop the NaN of an exact zero times an infinite partial)
+    ones = jax.lax.select(chosen, jnp.ones(out_shape, dtype), jnp.zeros(out_shape, dtype))
+    partial = _operand_partial(x_shape, out_shape, ones, dtype)
+    return replace(partial, live=reshaped(chosen, partial.val_shape))
+
+
+@register(P.select_n_p)
+def select_n(eqn, invals, outvals, wrt):
+    """``select_n(which, *cases)``: case ``j`` is chosen where ``which == j`` (a boolean ``which``
+    chooses case 1 where True)."""
+    which = invals[0]
+    out_shape = _shape(outvals[0])
+    dtype = jax.typeof(outvals[0]).dtype
+    return [(i, 0, _chosen_partial(_shape(invals[i]), out_shape, which == (i - 1), dtype)) for i in wrt]
+
+
 @register(P.clamp_p)
 def clamp(eqn, invals, outvals, wrt):
     """``clamp(lo, x, hi)``: each operand's partial is one where it is the result, as JAX's JVP rule
@@ -195,8 +217,7 @@ def clamp(eqn, invals, outvals, wrt):
     out_shape = _shape(outvals[0])
     dtype = jax.typeof(outvals[0]).dtype
     chosen = {0: lambda: (lo > x) & (lo < hi), 1: lambda: (x > lo) & (x < hi), 2: lambda: hi < x}
-    return [(i, 0, _operand_partial(_shape(invals[i]), out_shape,
-                                    jnp.broadcast_to(chosen[i](), out_shape).astype(dtype), dtype)) for i in wrt]
+    return [(i, 0, _chosen_partial(_shape(invals[i]), out_shape, chosen[i](), dtype)) for i in wrt]
 
 
 @register(P.mul_p)

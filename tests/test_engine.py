@@ -343,6 +343,38 @@ def test_non_finite_partials_stay_on_their_paths():
     assert np.isnan(jax.grad(lambda v: jnp.where(v > 2, jnp.sqrt(v - 2), 0.0).sum())(x)[0])
 
 
+def test_a_mask_below_an_infinite_partial_makes_an_exact_zero_in_every_order():
+    # a row that is all masked: logsumexp of -inf is -inf, whose log has an infinite partial (1/0)
+    # behind the exp's zero; the mask on the way in and the where on the way out make the row's
+    # derivatives 0 in jax.jacrev and jax.jacfwd alike, whatever the elimination order
+    mask = np.array([[True, True, False], [False, False, False], [True, False, True]])
+
+    def f(s):
+        lse = jax.scipy.special.logsumexp(jnp.where(mask, s, -jnp.inf), axis=1)
+        return jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+    s = jnp.linspace(-1.0, 1.0, 9).reshape(3, 3)
+    want = jax.jacrev(f)(s)
+    np.testing.assert_allclose(jax.jacfwd(f)(s), want, rtol=1e-6)
+    assert np.isfinite(want).all()
+    eliminable = list(trace_problem(f, s).eliminable)
+    orders = ["fwd", "rev", "markowitz"] + [random.Random(seed).sample(eliminable, len(eliminable)) for seed in range(8)]
+    for order in orders:
+        np.testing.assert_allclose(jaxtool.jacve(f, order=order)(s), want, rtol=1e-5, atol=1e-6, err_msg=str(order))
+    # clamp selects too: at x = 0.1 the result is the bound 0.5, where sqrt' is infinite; the
+    # partial w.r.t. x is an exact zero there (jax.jacrev: 0; jax.jacfwd: 0 * inf = NaN)
+    g = lambda x, lo: jnp.sqrt(lax.clamp(lo, x, jnp.full(3, 2.0)) - 0.5)  # noqa: E731
+    x, lo = jnp.array([0.1, 1.0, 3.0]), jnp.full(3, 0.5)
+    want = [np.diagonal(block) for block in jax.jacrev(g, argnums=(0, 1))(x, lo)]  # (off it: NaN, no path)
+    assert want[0][0] == 0 and want[1][0] == np.inf
+    off = ~np.eye(3, dtype=bool)
+    for order in ("fwd", "rev", "markowitz"):
+        got = jaxtool.jacve(g, argnums=(0, 1), order=order)(x, lo)
+        for block, expected in zip(got, want):
+            np.testing.assert_allclose(np.diagonal(block), expected, rtol=1e-6)
+            assert (np.asarray(block)[off] == 0).all()
+
+
 def test_infinite_partials_where_a_selection_selects_nothing_stay_zero():
     # sqrt'(0) = inf at padded or concatenated zeros, which no input reaches: jax.jacrev gives 0 there
     cases = [lambda v: jnp.sqrt(jnp.pad(v, 1)), lambda v: jnp.sqrt(jnp.concatenate([v, jnp.zeros(2)])) * 2,
@@ -1176,6 +1208,17 @@ def test_custom_order_errors_name_the_offending_vertices():
         resolve_order(eliminable + [n], problem)
     with pytest.raises(OrderError, match="invalid order"):
         resolve_order("sideways", problem)
+
+
+def test_trace_problem_numbers_a_program_with_keyword_arguments_as_jacve_does():
+    def f(logits, *, temperature=1.0, bias=None):  # traced keyword arrays are inputs of the program
+        return jax.nn.softmax(logits / temperature + bias)
+
+    x, bias = jnp.arange(3.0), jnp.ones(3)
+    eliminable = list(trace_problem(f, x, temperature=0.5, bias=bias).eliminable)
+    assert eliminable != list(trace_problem(functools.partial(f, temperature=0.5, bias=bias), x).eliminable)
+    got = jaxtool.jacve(f, order=eliminable[::-1])(x, temperature=0.5, bias=bias)
+    np.testing.assert_allclose(got, jax.jacrev(f)(x, temperature=0.5, bias=bias), rtol=1e-5, atol=1e-6)
 
 
 def test_non_differentiable_primitive_is_reported_with_location():
