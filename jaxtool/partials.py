@@ -712,10 +712,24 @@ def _sparse_sparse(b: Sparse, a: Sparse) -> tuple[Sparse, Cost]:
     val = _contract([(part.val, keep) for part, keep in kept], plan.specs, plan.out_layout, plan.loop, result.dtype)
     if plan.factor != 1:
         val = lax.mul(val, np.asarray(plan.factor, result.dtype))
-    return _with_exact_zeros(replace(result, val=val), b, a, kept, plan), plan.cost
+    product = replace(result, val=val)
+    if a.live is None and b.live is None:
+        return product, plan.cost
+    b_layout = _product_layout(b, plan.b_keep, plan.specs[0] if plan.b_keep is not None else None, plan)
+    a_layout = _product_layout(a, plan.a_keep, plan.specs[-1] if plan.a_keep is not None else None, plan)
+    return _with_exact_zeros(product, b, a, b_layout, a_layout), plan.cost
 
 
-def _with_exact_zeros(product: Sparse, b: Sparse, a: Sparse, kept, plan: "_ProductPlan") -> Sparse:
+def _product_layout(part: Sparse, keep, spec, plan: "_ProductPlan"):
+    """A function laying an array of ``part``'s value shape out as the product's values, or None
+    where ``part`` has no exact zeros or the product sums over an axis it stores."""
+    if part.live is None or spec is None or not set(spec) <= set(plan.out_layout) - {None}:
+        return None
+    shape = tuple(part.val_shape[keep[spec.index(l)]] if l is not None and l in spec else 1 for l in plan.out_layout)
+    return lambda v: _broadcast_to(_laid_out(v, keep, spec, plan.out_layout, shape), plan.result.val_shape)
+
+
+def _with_exact_zeros(product: Sparse, b: Sparse, a: Sparse, b_layout, a_layout) -> Sparse:
     """The product ``b o a`` with the exact zeros of its factors (:attr:`Sparse.live`) applied as
     ``jax.jacrev`` applies them, a cotangent passing ``b`` and then ``a``.
 
@@ -723,26 +737,16 @@ def _with_exact_zeros(product: Sparse, b: Sparse, a: Sparse, kept, plan: "_Produ
     an exact zero; where ``b`` is, the product is ``b``'s zero times ``a``'s value (NaN where that
     is infinite or NaN), and an exact zero. This composition is associative: every elimination
     order gives the result of the path's cotangent. Exact zeros on an axis the product sums over
-    are kept as plain zeros (where ``a`` has them, its product is not selected)."""
-    if a.live is None and b.live is None:
-        return product
-    laid = {}
-    for (part, keep), spec in zip(kept, plan.specs):
-        if part.live is not None and set(spec) <= set(plan.out_layout) - {None}:
-            def lay(v, keep=keep, spec=spec):
-                shape = tuple(v.shape[keep[spec.index(l)]] if l is not None and l in spec else 1
-                              for l in plan.out_layout)
-                return _broadcast_to(_laid_out(v, keep, spec, plan.out_layout, shape), product.val_shape)
-            laid[id(part)] = lay
+    are kept as plain zeros (where ``a`` has them, its product is not selected). ``b_layout`` and
+    ``a_layout`` lay a factor's values out as the product's (:func:`_product_layout`)."""
     val, live = product.val, None
     if a.live is not None:
-        if id(a) not in laid:
+        if a_layout is None:
             return product
-        live = laid[id(a)](a.live)
-        val = lax.select(live, val, laid[id(a)](cast(a.val, product.dtype)))
-    if id(b) in laid:
-        live_b = laid[id(b)](b.live)
-        live = live_b if live is None else lax.bitwise_and(live, live_b)
+        live = a_layout(a.live)
+        val = lax.select(live, val, a_layout(cast(a.val, product.dtype)))
+    if b_layout is not None:
+        live = b_layout(b.live) if live is None else lax.bitwise_and(live, b_layout(b.live))
     return replace(product, val=val, live=live)
 
 
