@@ -268,7 +268,8 @@ NUMPY_RULES = {
     "convert_element_type": _np_convert,
     "iota": _np_iota,
     "broadcast_in_dim": _np_broadcast_in_dim,
-    "reshape": lambda x, *, new_sizes, dimensions, **_: np.reshape(x, new_sizes) if dimensions is None else None,
+    "reshape": lambda x, *, new_sizes, dimensions, **_: np.reshape(
+        x if dimensions is None else np.transpose(x, dimensions), new_sizes),
     "squeeze": lambda x, *, dimensions: np.squeeze(x, dimensions),
     "transpose": lambda x, *, permutation: np.transpose(x, permutation),
     "concatenate": lambda *xs, dimension: np.concatenate(xs, dimension),

@@ -306,14 +306,16 @@ def reduce_sum(eqn, invals, outvals, wrt):
 
 @register(P.reshape_p)
 def reshape(eqn, invals, outvals, wrt):
-    """Inserting or removing unit axes is a pairing; any other reshape is a selection map."""
+    """Inserting or removing unit axes is a pairing; any other reshape (or one that transposes its
+    operand first, ``dimensions``) is a selection map."""
     if 0 not in wrt:
         return []
     x, y = invals[0], outvals[0]
     xs, ys = _shape(x), _shape(y)
     big_x = [j for j, n in enumerate(xs) if n != 1]
     big_y = [k for k, n in enumerate(ys) if n != 1]
-    if [xs[j] for j in big_x] == [ys[k] for k in big_y]:
+    dimensions = eqn.params.get("dimensions")
+    if [xs[j] for j in big_x] == [ys[k] for k in big_y] and dimensions in (None, tuple(range(len(xs)))):
         pairs = [None] * len(ys)
         for j, k in zip(big_x, big_y):
             pairs[k] = j

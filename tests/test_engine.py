@@ -887,6 +887,12 @@ SELECTION_SUMS = {
     "wider than MAX_PARTS": lambda x: sum(x[k:k + 5] * (k + 1.0) for k in range(x.size - 4)),  # overlapping shifts
     "diagonal plus selections": lambda x: jnp.exp(x) + jnp.sin(x)[::-1] + jnp.concatenate([x[1:], x[:1]]) * 2,
     "rk4 step of lorenz-96": _lorenz96_rk4,
+    # lax.reshape's ``dimensions`` transposes first (numpy's order="F"): once paired or indexed as a
+    # plain reshape (a silently wrong Jacobian), and a raw error for three axes
+    "column-major reshape": lambda x: jnp.sin(lax.reshape(x, (5, 5), dimensions=(0,))) * lax.reshape(
+        x.reshape(5, 5), (25,), dimensions=(1, 0)).reshape(5, 5),
+    "reshape transposing unit axes": lambda x: lax.reshape(jnp.exp(x).reshape(1, 25, 1), (25, 1), dimensions=(2, 1, 0)),
+    "reshape transposing three axes": lambda x: lax.reshape(x[:24].reshape(2, 3, 4) ** 2, (4, 6), dimensions=(2, 0, 1)),
 }
 
 
