@@ -164,13 +164,18 @@ def _operand_partial(x_shape, out_shape, d, dtype) -> Sparse:
 
 @register(*ELEMENTWISE)
 def elementwise(eqn, invals, outvals, wrt):
-    """Any elementwise primitive: the derivative is JAX's JVP along a tangent of ones."""
+    """Any elementwise primitive: the derivative is JAX's JVP along a tangent of ones (an
+    :class:`UnsupportedError` where JAX has no rule for an operand: ``nextafter``, ``zeta``'s first,
+    ``polygamma``'s order)."""
     out_shape = _shape(outvals[0])
     dtype = jax.typeof(outvals[0]).dtype
     result = []
     for i in wrt:
         x = invals[i]
-        d = _jvp_at(eqn, invals, i, jnp.ones(_shape(x), jax.typeof(x).dtype), wrt)[0]
+        try:
+            d = _jvp_at(eqn, invals, i, jnp.ones(_shape(x), jax.typeof(x).dtype), wrt)[0]
+        except (NotImplementedError, ValueError) as error:
+            raise _cannot_differentiate(eqn, error, f" with respect to operand {i}") from error
         result.append((i, 0, _operand_partial(_shape(x), out_shape, d, dtype)))
     return result
 

@@ -1262,6 +1262,20 @@ def test_primitive_without_a_rule_for_one_input_is_reported():
     assert "test_engine.py" in (info.value.location or "")
 
 
+@pytest.mark.parametrize("name, fun, primitive", [
+    ("nextafter", lambda b: jnp.nextafter(X[:3], b), "nextafter"),  # no JVP rule at all
+    ("zeta's order", lambda s: lax.zeta(s, X[:3] + 1), "zeta"),  # a rule for the second operand only
+    ("polygamma's order", lambda m: lax.polygamma(m, X[:3] + 1), "polygamma"),  # the rule raises ValueError
+])
+def test_elementwise_primitive_without_a_rule_for_its_input_is_reported(name, fun, primitive):
+    with pytest.raises((NotImplementedError, ValueError)):
+        jax.jacfwd(fun)(jnp.array([1.0, 2.0, 1.0]))
+    with pytest.raises(UnsupportedError, match=r"with respect to operand \d: ") as info:  # was the raw error
+        jaxtool.jacve(fun)(jnp.array([1.0, 2.0, 1.0]))
+    assert info.value.primitive == primitive
+    assert "test_engine.py" in (info.value.location or "")
+
+
 def test_zero_size_values_broadcast_against_size_one_values():
     # jnp.roll of a length-1 vector slices out an empty piece: its partials store zero-size values,
     # which meet partials stored with size-1 (replicated) axes in products and sums
