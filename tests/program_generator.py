@@ -646,16 +646,19 @@ def op_reshape(b: _Builder) -> bool:
     s, a = var.shape, var.name
     options = [(f"{a}[None]", (1,) + s), (f"jnp.expand_dims({a}, {len(s)})", s + (1,))]
     if len(s) >= 2:
-        options += [(f"{a}.reshape(-1)", (_size(s),)), (f"{a}.T", s[::-1]), (f"{a}.ravel()", (_size(s),))]
+        options += [(f"{a}.reshape(-1)", (_size(s),)), (f"{a}.T", s[::-1]), (f"{a}.ravel()", (_size(s),)),
+                    (f"jnp.ravel({a}, order='F')", (_size(s),))]  # (lax.reshape with ``dimensions``)
     if len(s) == 3:
         perm = rng.choice([(1, 0, 2), (0, 2, 1), (2, 0, 1)])
         options += [(f"jnp.transpose({a}, {perm})", tuple(s[p] for p in perm)),
-                    (f"jnp.moveaxis({a}, 0, -1)", s[1:] + s[:1]), (f"{a}.reshape({s[0]}, -1)", (s[0], s[1] * s[2]))]
+                    (f"jnp.moveaxis({a}, 0, -1)", s[1:] + s[:1]), (f"{a}.reshape({s[0]}, -1)", (s[0], s[1] * s[2])),
+                    (f"lax.reshape({a}, {(s[2], s[0] * s[1])}, dimensions=(2, 1, 0))", (s[2], s[0] * s[1]))]
     if len(s) == 1 and s[0] in (4, 6, 8, 9, 12, 16):
         m = next(d for d in (2, 3, 4) if s[0] % d == 0)
         options.append((f"{a}.reshape({m}, {s[0] // m})", (m, s[0] // m)))
     if len(s) == 2 and s[0] * s[1] in (6, 8, 12, 16) and s[0] != s[1]:
         options.append((f"{a}.reshape({s[1]}, {s[0]})", (s[1], s[0])))
+        options.append((f"{a}.reshape({s[1]}, {s[0]}, order='F')", (s[1], s[0])))
     if 1 in s:
         options.append((f"jnp.squeeze({a})", tuple(n for n in s if n != 1)))
     if len(s) <= 2:
