@@ -243,6 +243,14 @@ def _np_elementwise(function):
     return lambda *xs, **_: function(*xs)
 
 
+def _np_rem(x, y, **_):
+    """Integer ``rem`` as XLA computes it: the sign of ``x`` (C's ``%``, NumPy's ``fmod``), and
+    ``x rem 0 = x`` and ``INT_MIN rem -1 = 0`` where NumPy gives 0 with a warning, or overflows."""
+    x, y = np.broadcast_arrays(x, y)
+    safe = np.where((y == 0) | (y == -1), 1, y).astype(y.dtype)  # (-1 only where signed; any x rem -1 is 0)
+    return np.where(y == 0, x, np.fmod(x, safe))
+
+
 def _np_convert(x, *, new_dtype, **_):
     """``convert_element_type`` as XLA converts: floats to integers saturate at the integer type's
     range and NaN becomes 0 (NumPy's cast gives the least integer, or wraps, for those)."""
@@ -259,10 +267,11 @@ def _np_convert(x, *, new_dtype, **_):
 NUMPY_RULES = {
     **{name: _np_elementwise(function) for name, function in {
         "add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
-        "neg": np.negative, "abs": np.abs, "sign": np.sign, "rem": np.fmod,
+        "neg": np.negative, "abs": np.abs, "sign": np.sign,
         "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
         "ne": np.not_equal, "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor, "not": np.invert,
     }.items()},
+    "rem": _np_rem,
     "select_n": _np_select_n,
     "clamp": lambda lo, x, hi: np.clip(x, lo, hi),
     "convert_element_type": _np_convert,

@@ -525,6 +525,8 @@ KNOWN_INDICES = {
     "saturating index casts": lambda x: x[jnp.clip(jnp.asarray(np.array([np.nan, 1e10, -1e10, 2.0, -3.7], np.float32))
                                                    .astype(jnp.int32), 0, 24)]
     * x[jnp.minimum(jnp.asarray(np.array([-3.0, 2.0, 300.0, 7.9, np.nan], np.float32)).astype(jnp.uint8), 24)],
+    # integer rem as XLA computes it: x rem 0 = x (NumPy's fmod gave 0: another element), INT_MIN rem -1 = 0
+    "rem of indices by zero": lambda x: x[lax.rem(jnp.array([5, -7, 3, -2**31]), jnp.array([0, 0, 2, -1]))] ** 2,
 }
 
 
