@@ -339,10 +339,25 @@ def disjoint_reduction(eqn, invals, outvals, wrt):
     x, y = invals[0], outvals[0]
     axes = sorted(set(eqn.params["axes"]))
     kept = [j for j in range(len(_shape(x))) if j not in axes]
-    _, pullback = jax.vjp(lambda a: bind(eqn, a), x)
-    (g,) = pullback(jnp.ones(_shape(y), jax.typeof(y).dtype))
+    if eqn.primitive is P.reduce_prod_p:
+        _, pullback = jax.vjp(lambda a: bind(eqn, a), x)
+        (g,) = pullback(jnp.ones(_shape(y), jax.typeof(y).dtype))
+    else:
+        g = _chosen_share(x, y, kept)
     val = jnp.transpose(g, kept + axes)
     return [(0, 0, Sparse(_shape(y), _shape(x), tuple(kept), val.shape, np.dtype(val.dtype), val))]
+
+
+def _chosen_share(x, y, kept):
+    """The partial of ``reduce_max``/``reduce_min`` as JAX's rule computes it: ``1 / count`` at the
+    ``count`` elements equal to their result (ties split), 0 elsewhere, and NaN throughout a NaN
+    result's elements (0 / 0). Built with a select: JAX's rule multiplies converted booleans by a
+    cotangent of ones, which XLA turns into a select that gives 0 there under ``jax.jit``."""
+    dtype = jax.typeof(x).dtype
+    chosen = x == jax.lax.broadcast_in_dim(y, _shape(x), kept)
+    ones = jax.lax.select(chosen, jnp.ones(_shape(x), dtype), jnp.zeros(_shape(x), dtype))
+    counts = jnp.sum(ones, axis=tuple(j for j in range(len(_shape(x))) if j not in kept), keepdims=True)
+    return ones / counts
 
 
 @register(P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p, P.cumlogsumexp_p)

@@ -343,6 +343,18 @@ def test_non_finite_partials_stay_on_their_paths():
     assert np.isnan(jax.grad(lambda v: jnp.where(v > 2, jnp.sqrt(v - 2), 0.0).sum())(x)[0])
 
 
+def test_the_max_of_a_row_with_nan_has_nan_partials_under_jit_too():
+    # JAX's rule divides the equal elements by their count, 0 / 0 for a NaN maximum; with a
+    # cotangent of ones XLA made that a select of 0 under jax.jit (jacve stages with jit): 0, not NaN
+    x = jnp.array([[1.0, np.nan, 2.0], [4.0, 0.5, 6.0], [3.0, 3.0, 1.0]])
+    for reduce, ties in ((jnp.max, [0.5, 0.5, 0.0]), (jnp.min, [0.0, 0.0, 1.0])):
+        want = np.asarray(jax.jit(jax.jacrev(lambda a: reduce(a, axis=1)))(x))
+        assert np.isnan(want[0, 0]).all() and want[2, 2].tolist() == ties
+        for order in ("fwd", "rev", "markowitz"):
+            got = jaxtool.jacve(lambda a: reduce(a, axis=1), order=order)(x)
+            np.testing.assert_array_equal(got, want, err_msg=f"{reduce.__name__} {order}")
+
+
 def test_a_mask_below_an_infinite_partial_makes_an_exact_zero_in_every_order():
     # a row that is all masked: logsumexp of -inf is -inf, whose log has an infinite partial (1/0)
     # behind the exp's zero; the mask on the way in and the where on the way out make the row's
