@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> None:
         code = cli.main(args=args, prog_name="jaxtool", standalone_mode=False)
     except click.exceptions.Exit as exc:
         code = exc.exit_code
-    except click.exceptions.Abort:
+    except click.exceptions.Abort:  # (click's form of KeyboardInterrupt)
         click.echo("Aborted.", err=True)
-        code = 1
+        code = 130
     except click.ClickException as exc:
         exc.show()
         code = exc.exit_code

@@ -242,7 +242,7 @@ def _import_errors(where: str, module_name: str):
                         location=location_of_exception(exc)) from exc
     except SyntaxError as exc:
         raise LoadError(f"{type(exc).__name__}: {exc.msg}", location=location_of_exception(exc)) from exc
-    except (Exception, SystemExit) as exc:
+    except (Exception, SystemExit, GeneratorExit) as exc:  # (not KeyboardInterrupt)
         raise LoadError(f"{exception_message(exc)} (while importing {where})",
                         location=location_of_exception(exc)) from exc
 
@@ -468,7 +468,10 @@ def _realize(values, rng, concrete: bool):
             if not concrete:
                 return x
             drawn = True
-            return draw(x, rng)
+            try:
+                return draw(x, rng)
+            except (ValueError, MemoryError) as exc:  # a shape numpy cannot allocate
+                raise UsageError(f"cannot draw values for spec {format_spec(x)!r}: {exception_message(exc)}") from None
         if isinstance(x, (np.ndarray, np.generic, int, float, complex)):
             return jnp.asarray(x)
         return x
@@ -492,6 +495,8 @@ def _read_inputs(path, specs: list) -> list:
     except FileNotFoundError:
         raise UsageError(f"--inputs {path}: no such file") from None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        if os.path.isfile(path) and not zipfile.is_zipfile(path):  # (numpy reads any other file as a pickle)
+            raise UsageError(f"--inputs {path}: not an .npz file (save arrays with numpy.savez)") from None
         raise UsageError(f"--inputs {path}: cannot read it as an .npz file ({exception_message(exc)})") from None
     count = len(specs) if specs else len(arrays)
     expected = [f"arg{i}" for i in range(count)]
@@ -505,6 +510,10 @@ def _read_inputs(path, specs: list) -> list:
     values = []
     for i, key in enumerate(expected):
         array = arrays[key]
+        if not isinstance(array, np.ndarray):  # a member that is not an .npy file: its bytes
+            raise UsageError(f"--inputs {path}: {key} is not a NumPy array (save arrays with numpy.savez)")
+        if array.dtype.kind not in "biufc":
+            raise UsageError(f"--inputs {path}: {key} has dtype {array.dtype} (expected numbers or booleans)")
         if specs:
             spec = specs[i]
             if not (hasattr(spec, "shape") and hasattr(spec, "dtype")):

@@ -89,7 +89,7 @@ def trace(fn, args, *, names: list[str] | None = None, source_file: str | None =
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     except JaxtoolError:
         raise
-    except Exception as exc:
+    except (Exception, SystemExit, GeneratorExit) as exc:  # (not KeyboardInterrupt)
         where = location_of_exception(exc, prefer=source_file or code_file(fn))
         message = exception_message(exc)
         if where is None:

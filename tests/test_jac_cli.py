@@ -96,6 +96,11 @@ def test_invalid_order_exits_2_naming_the_vertices(capsys, order, expected):
     assert line.startswith("error: ") and expected in line
 
 
+def test_a_negative_seed_is_a_usage_error(capsys):  # (numpy's ValueError: exit 70 before)
+    code, out, err = jac(capsys, BRANCHES, "--seed", "-1")
+    assert code == 2 and out == "" and "Invalid value for '--seed': -1 is not in the range x>=0" in err
+
+
 # ------------------------------------------------------------------------------------- arrays
 
 

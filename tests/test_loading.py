@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import zipfile
 from pathlib import Path
 
 import jax
@@ -17,6 +18,7 @@ import jaxtool
 from jaxtool.errors import EXIT_LOAD, EXIT_USAGE, LoadError, SpecError, UsageError
 from jaxtool.loading import load, load_target, resolve
 from jaxtool.specs import draw, format_spec, parse_spec, parse_static, parse_statics
+from jaxtool.tracing import trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BASIC = str(FIXTURES / "fx_basic.py")
@@ -426,8 +428,19 @@ def test_inputs_unreadable(tmp_path):
         load_target(f"{BASIC}:affine", inputs=str(tmp_path / "missing.npz"))
     garbage = tmp_path / "garbage.npz"
     garbage.write_text("not an archive")
-    with pytest.raises(UsageError, match="cannot read it as an .npz file"):
+    with pytest.raises(UsageError, match="not an .npz file"):  # (numpy's message: "pickled data")
         load_target(f"{BASIC}:affine", inputs=str(garbage))
+    strings = tmp_path / "strings.npz"
+    np.savez(strings, arg0=np.array(["a", "b"]), arg1=np.ones(2), arg2=np.ones((4, 3)))
+    with pytest.raises(UsageError, match="arg0 has dtype <U1 \\(expected numbers or booleans\\)"):
+        load_target(f"{BASIC}:affine", inputs=str(strings))
+    bad_member = tmp_path / "bad_member.npz"
+    with zipfile.ZipFile(bad_member, "w") as archive:  # numpy returns such a member's bytes
+        archive.writestr("arg0.npy", b"garbage")
+    with pytest.raises(UsageError, match="arg0 is not a NumPy array"):
+        load_target(f"{BASIC}:with_attribute", inputs=str(bad_member))
+    with pytest.raises(UsageError, match="cannot draw values for spec 'f32\\[99999999999999999999\\]'"):
+        load_target(f"{BASIC}:with_attribute", ["f32[99999999999999999999]"])
     single = tmp_path / "single.npy"
     np.save(single, np.ones(2))
     with pytest.raises(UsageError, match="not an .npz file"):
@@ -458,6 +471,17 @@ def test_syntax_error_names_file_and_line(tmp_path, monkeypatch):
         load_target("fx_syntax_broken.py:f")
     assert str(info.value) == "fx_syntax_broken.py:5: SyntaxError: invalid syntax"
     assert "fx_syntax_broken" not in sys.modules
+
+
+@pytest.mark.parametrize("raised", ["SystemExit(0)", "SystemExit('bye')", "GeneratorExit('x')"])
+def test_base_exceptions_while_tracing_are_load_errors(tmp_path, monkeypatch, raised):
+    # (a user's sys.exit while tracing ended jaxtool with its code and no message; GeneratorExit
+    # printed a raw traceback)
+    (tmp_path / "fx_exits.py").write_text(f'def f(x: "f32[3]"):\n    raise {raised}\n')
+    monkeypatch.chdir(tmp_path)
+    loaded = load_target("fx_exits.py:f")
+    with pytest.raises(LoadError, match=f"^fx_exits.py:2: {raised.split('(')[0]}"):
+        trace(loaded.fn, loaded.args, source_file=loaded.source_file)
 
 
 def test_exception_while_importing(monkeypatch):

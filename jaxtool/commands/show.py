@@ -18,7 +18,7 @@ from jaxtool.errors import UsageError
 @click.option("--static", "static", multiple=True, metavar="NAME=VALUE",
               help="A static (non-array) argument, as a Python literal; repeatable.")
 @click.option("--inputs", "inputs", metavar="FILE.npz", help="Take the arguments from an .npz file.")
-@click.option("--seed", type=int, default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed for drawn values (unused: show needs only shapes; kept for parity with other commands).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "dot"]), default="text", show_default=True,
               help="Styled text, JSON (every equation, nested jaxprs, summary) or a Graphviz digraph.")

@@ -138,7 +138,7 @@ def _github_line(problem, strict: bool) -> str:
               help="A static (non-traced) argument, e.g. --static n=3 (repeatable).")
 @click.option("--inputs", type=click.Path(dir_okay=False), metavar="FILE.npz",
               help="Take the arguments from an .npz file instead of drawing them from SPECS.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for drawn inputs.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed for drawn inputs.")
 @click.option("--strict", is_flag=True, help="Treat warnings (W2xx) as errors.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
               help="text: file:line:col: CODE message; json: a list of objects; github: annotations.")
