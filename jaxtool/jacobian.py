@@ -12,8 +12,24 @@ import jax.numpy as jnp
 
 from jaxtool.elimination import Problem, blocks, build, run
 from jaxtool.graph import flatten
-from jaxtool.orders import parse_order, resolve_order
+from jaxtool.orders import parse_order, resolve_order, vertex_numbers
 from jaxtool.partials import clear_plan_caches
+
+
+def _argnums(argnums):
+    """``argnums`` as ``jax.jacrev`` takes it, with Python ints: an int, or a sequence of ints (a
+    NumPy integer counts as a sequence of one, as ``jax.jacrev`` then returns a tuple); a TypeError
+    for anything else."""
+    def position(p):
+        if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
+            raise TypeError(f"argnums must be an int or a sequence of ints, got {argnums!r}")
+        return int(p)
+
+    if isinstance(argnums, np.integer):
+        return (position(argnums),)
+    if not isinstance(argnums, (tuple, list, np.ndarray)):
+        return position(argnums)
+    return tuple(position(p) for p in argnums)
 
 
 def _positions(argnums) -> tuple:
@@ -237,9 +253,13 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     ``ConcretizationTypeError``): from then on they are passed as they are too. It composes with
     ``jax.jit``, ``jax.vmap``, ``jax.jacfwd``, ``jax.jacrev`` and with ``jacve`` itself.
     """
+    if not callable(fun):
+        raise TypeError(f"jacve expects a callable function, got {fun!r}")
     if isinstance(order, str):
         parse_order(order)  # fail early on a malformed name
-    argnums = argnums if isinstance(argnums, int) else tuple(argnums)
+    else:
+        order = vertex_numbers(order)
+    argnums = _argnums(argnums)
     shared = _shared(fun, order, argnums, has_aux)
 
     @functools.wraps(fun)  # its __wrapped__ keeps fun alive for the shared Jacobian, as long as it lives

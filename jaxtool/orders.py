@@ -68,13 +68,28 @@ def parse_order(text: str):
         raise OrderError(f"invalid order {text!r}: give one of {names}, or comma-separated vertex numbers") from None
 
 
+def vertex_numbers(order) -> list:
+    """A custom order as a list of ints: from a list, tuple or 1-D array of integers (an
+    :class:`OrderError` for anything else, such as floats, booleans or an unordered set)."""
+    import numpy as np
+
+    if not isinstance(order, (list, tuple, np.ndarray)) or np.ndim(order) != 1:
+        raise OrderError(f"invalid order {order!r}: give one of {', '.join(sorted(ORDERS))}, or a list, tuple "
+                         "or 1-D array of vertex numbers")
+    bad = [v for v in order if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))]
+    if bad:
+        raise OrderError(f"invalid order: {_list(bad)} {'is not' if len(bad) == 1 else 'are not'} a vertex number "
+                         "(an integer)")
+    return [int(v) for v in order]
+
+
 def resolve_order(order, problem) -> list:
     """Validate ``order`` (a name, a string, or a sequence of vertex numbers) against ``problem``."""
     if isinstance(order, str):
         order = parse_order(order)
     if isinstance(order, str):
         return ORDERS[order](problem)
-    order = [int(v) for v in order]
+    order = vertex_numbers(order)
     eliminable = set(problem.eliminable)
     n = problem.program.num_vertices
     seen, duplicates = set(), []

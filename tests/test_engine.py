@@ -7,6 +7,7 @@ import importlib.util
 import itertools
 import pathlib
 import random
+import re
 import sys
 
 import numpy as np
@@ -1228,6 +1229,28 @@ def test_custom_order_errors_name_the_offending_vertices():
         resolve_order(eliminable + [n], problem)
     with pytest.raises(OrderError, match="invalid order"):
         resolve_order("sideways", problem)
+    # vertex numbers as a list, tuple or 1-D array of integers, nothing else (2.5 was truncated to 2,
+    # a set taken in its iteration order, None a raw TypeError)
+    assert resolve_order(np.array(eliminable), problem) == resolve_order(tuple(eliminable), problem) == eliminable
+    for order, message in [([2.5] + eliminable[1:], "2.5 is not a vertex number"),
+                           ([True] + eliminable[1:], "True is not a vertex number"),
+                           (set(eliminable), "or a list, tuple or 1-D array of vertex numbers"),
+                           (None, "invalid order None"), (np.array([eliminable]), "1-D array")]:
+        with pytest.raises(OrderError, match=re.escape(message)):
+            jaxtool.jacve(lambda x: jnp.sin(jnp.cos(x) * x) + 1.0, order=order)
+
+
+def test_argnums_are_checked_as_jax_jacrev_takes_them():
+    f = lambda x, y: jnp.sin(x) * y  # noqa: E731
+    x, y = X[:3], 2.0
+    for argnums in (1, (0, 1), [1], np.int64(1), np.array([0, 1])):  # a NumPy integer: a tuple, as jax.jacrev
+        assert_same_jacobian(jaxtool.jacve(f, argnums=argnums)(x, y), jax.jacrev(f, argnums=argnums)(x, y),
+                             rtol=1e-6, atol=0)
+    for argnums in ("0", (0, "1"), 1.0):  # ("0" was a raw "not all arguments converted during string formatting")
+        with pytest.raises(TypeError, match="argnums must be an int or a sequence of ints"):
+            jaxtool.jacve(f, argnums=argnums)
+    with pytest.raises(TypeError, match="expects a callable"):  # when made, as jax.jacrev
+        jaxtool.jacve(3)
 
 
 def test_trace_problem_numbers_a_program_with_keyword_arguments_as_jacve_does():

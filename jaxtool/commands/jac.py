@@ -35,7 +35,8 @@ DEFAULT_TOLERANCES = {8: (1e-10, 1e-10), 4: (1e-4, 1e-5), 2: (1e-2, 1e-2)}
 @click.option("--static", "static", multiple=True, metavar="NAME=VALUE",
               help="A static (non-array) argument, as a Python literal; repeatable.")
 @click.option("--inputs", "inputs", metavar="FILE.npz", help="Take the arguments from an .npz file (arg0, arg1, ...).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed for values drawn from specs.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed for values drawn from specs.")
 @click.option("--check", is_flag=True,
               help="Recompute with jax.jacrev and jax.jacfwd; exit 1 if either differs beyond the tolerances.")
 @click.option("--rtol", type=click.FloatRange(min=0), default=None, metavar="TOL",
