@@ -83,13 +83,19 @@ def main(argv: list[str] | None = None) -> None:
         code = exc.exit_code
     except KeyboardInterrupt:
         code = 130
-    except Exception as exc:  # a bug in jaxtool: one line unless --debug
+    except Exception as exc:  # a bug in jaxtool (one line unless --debug), or out of memory
         if debug:
             import traceback
 
             traceback.print_exc()
-        click.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)", err=True)
-        code = EXIT_INTERNAL
+        if isinstance(exc, MemoryError) or "RESOURCE_EXHAUSTED" in str(exc):
+            reason = (str(exc).splitlines() or [""])[0]
+            click.echo(f"error: out of memory ({type(exc).__name__}: {reason}); each Jacobian block is formed "
+                       "densely, as jax.jacrev returns it: differentiate fewer elements", err=True)
+            code = EXIT_USAGE
+        else:
+            click.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)", err=True)
+            code = EXIT_INTERNAL
     sys.exit(code or 0)
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtool import partials
 from jaxtool.cli import main
 from jaxtool.loading import load_target
 from jaxtool.report import SMALL_BLOCK, Block, spy_drawing, spy_scale
@@ -94,6 +95,17 @@ def test_invalid_order_exits_2_naming_the_vertices(capsys, order, expected):
     assert code == 2 and out == ""
     [line] = err.splitlines()
     assert line.startswith("error: ") and expected in line
+
+
+def test_a_jacobian_too_large_for_memory_is_one_line_and_exit_2(capsys, monkeypatch):
+    # (a million-element elementwise chain: numpy's MemoryError densifying its diagonal, exit 70)
+    def no_memory(self):
+        raise MemoryError("Unable to allocate 931. GiB for an array with shape (1000000, 1000000)")
+
+    monkeypatch.setattr(partials.Sparse, "to_dense", no_memory)
+    code, out, err = jac(capsys, BRANCHES)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].startswith("error: out of memory (MemoryError: Unable to allocate 931. GiB")
 
 
 def test_a_negative_seed_is_a_usage_error(capsys):  # (numpy's ValueError: exit 70 before)
