@@ -686,15 +686,61 @@ def _shape_problems(ann: Annotation, aval, what: str, dims: _Dims) -> list[tuple
     return out
 
 
+def _pytree_annotation(annotation):
+    """The leaves of a pytree annotation, a JSON spec string (``'{"w": "f32[2,3]", "b": "f32[2]"}'``)
+    or a dict, list or tuple of ``ShapeDtypeStruct`` or spec strings, as ``(path, Annotation)``
+    pairs in JAX's flattening order, paths as :func:`~jaxtool.tracing.format_path` writes them;
+    None for anything else, or one with a leaf that is not a spec."""
+    from jaxtool.errors import SpecError
+    from jaxtool.specs import parse_spec
+    from jaxtool.tracing import format_path
+
+    if isinstance(annotation, str):
+        if annotation.strip()[:1] not in ("{", "["):
+            return None
+        try:
+            annotation = parse_spec(annotation)
+        except SpecError:
+            return None
+    if not isinstance(annotation, (dict, list, tuple)):
+        return None
+    flat = [(format_path(path), parse_annotation(leaf))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(annotation)[0]]
+    return None if any(ann is None for _, ann in flat) else flat
+
+
+def _positional(path: str) -> str:
+    """A key path with its sequence indices and attribute names alike (a JSON list annotates a
+    tuple or a NamedTuple), dict keys kept."""
+    return re.sub(r"\.\w+|\[\d+\]", "[]", path)
+
+
+def _structure_problem(what: str, text: str, leaves: Sequence, paths, annotated) -> str | None:
+    """Why a value's leaves (``paths`` of them, when known) do not have an annotation's structure:
+    ``annotated`` is its ``(path, Annotation)`` leaves, or None for an array annotation."""
+    if annotated is None:
+        if len(leaves) > 1:
+            return f"{what} is a pytree of {len(leaves)} arrays but annotated {text} (structure)"
+        return None
+    want = [path for path, _ in annotated]
+    if len(want) != len(leaves) or (paths is not None and [_positional(p) for p in paths] != [_positional(p) for p in want]):
+        have = ", ".join(paths) if paths is not None else f"{len(leaves)} arrays"
+        return f"{what} has leaves {have or 'none'} but annotated {', '.join(want) or 'none'} (structure)"
+    return None
+
+
 def check_annotations(annotations: Mapping[str, object], arguments: Mapping[str, Sequence],
                       results: Sequence, *, file: str | None = None, line: int | None = None,
-                      name: str = "function") -> list[Problem]:
+                      name: str = "function", paths: Mapping[str, Sequence[str]] | None = None) -> list[Problem]:
     """Compare traced types with annotations (JT101) and bind named dims consistently (JT102).
 
     ``annotations`` maps parameter names (and ``"return"``) to anything :func:`parse_annotation`
-    understands; ``arguments`` maps parameter names to the abstract values of their leaves and
-    ``results`` holds the output leaves. Only parameters traced to exactly one array are checked;
-    unparseable annotations are ignored.
+    understands, or to a JSON pytree spec string; ``arguments`` maps parameter names to the
+    abstract values of their leaves and ``results`` holds the output leaves. ``paths``, if given,
+    maps parameter names (and ``"return"``) to their leaves' key paths (``["w"]``, ``[0]``), which
+    a pytree annotation's must equal; without them only the number of leaves is compared. An array
+    annotation on a value of several leaves is a mismatch; values with no leaves (``None``) and
+    unparseable annotations are not checked.
     """
     dims, problems = _Dims(), []
     where = f"<{name}>"
@@ -702,11 +748,24 @@ def check_annotations(annotations: Mapping[str, object], arguments: Mapping[str,
     if "return" in annotations:
         items.append(("return", results, "return value"))
     for param, leaves, what in items:
-        ann = parse_annotation(annotations[param])
-        if ann is None or len(leaves) != 1:
-            continue
-        for code, message in _shape_problems(ann, leaves[0], what, dims):
-            problems.append(Problem(code, message, where=where, file=file, line=line))
+        text = annotations[param]
+        annotated = _pytree_annotation(text)
+        if annotated is None:
+            ann = parse_annotation(text)
+            if ann is None or not leaves:
+                continue
+            text = ann.text
+        found = []
+        why = _structure_problem(what, text, leaves, (paths or {}).get(param), annotated)
+        if why:
+            found.append(("JT101", why))
+        elif annotated is None:
+            found = _shape_problems(ann, leaves[0], what, dims)
+        else:
+            for (path, leaf_ann), aval in zip(annotated, leaves):
+                leaf = f"{what[:-1]}{path}'" if what.endswith("'") else f"{what} out{path}"
+                found.extend(_shape_problems(leaf_ann, aval, leaf, dims))
+        problems.extend(Problem(code, message, where=where, file=file, line=line) for code, message in found)
     return problems
 
 

@@ -326,6 +326,23 @@ def test_annotation_mismatch_shape_rank_and_dtype():
     assert problems[0].location == "m.py:7:1"
 
 
+def test_pytree_annotations_are_checked_leaf_by_leaf_and_by_structure():
+    # (JSON pytree annotations were not checked at all, nor an array annotation on a tuple result:
+    # typecheck said "ok")
+    annotations = {"p": '{"w": "f32[2,3]", "b": "f32[2]"}', "return": ["f32[3]", "f32[3]"]}
+    arguments = {"p": _avals(((2,), np.float32), ((2, 4), np.float32))}  # (b, w: sorted keys)
+    paths = {"p": ['["b"]', '["w"]'], "return": [".mu", ".sigma"]}  # a NamedTuple result: positions match a list
+    problems = check_annotations(annotations, arguments, _avals(((3,), np.float32), ((), np.float32)), paths=paths)
+    assert [p.message for p in problems] == ["argument 'p[\"w\"]' is f32[2,4] but annotated f32[2,3] (axis 1)",
+                                             "return value out[1] is f32[] but annotated f32[3] (rank)"]
+    keys = check_annotations({"return": '{"a": "f32[3]"}'}, {}, _avals(((3,), np.float32)), paths={"return": ['["b"]']})
+    assert [p.message for p in keys] == ['return value has leaves ["b"] but annotated ["a"] (structure)']
+    two = check_annotations({"return": "f32[3]"}, {}, _avals(((3,), np.float32), ((3,), np.float32)))
+    assert [p.message for p in two] == ["return value is a pytree of 2 arrays but annotated f32[3] (structure)"]
+    assert check_annotations(annotations, {"p": _avals(((2,), np.float32), ((2, 3), np.float32))},
+                             _avals(((3,), np.float32), ((3,), np.float32)), paths=paths) == []
+
+
 def test_named_dimension_inconsistent_across_arguments_and_outputs():
     annotations = {"x": "f32[n,4]", "y": "f32[n]", "return": "f32[*rest]"}
     arguments = {"x": _avals(((3, 4), np.float32)), "y": _avals(((5,), np.float32))}

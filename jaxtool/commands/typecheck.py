@@ -41,15 +41,18 @@ def _zero_arg_result(obj):
     return result if isinstance(result, (jcore.Jaxpr, jcore.ClosedJaxpr)) else None
 
 
-def _leaves_by_argument(arg_names, in_names, in_avals) -> dict[str, list]:
-    """The abstract values of each argument's leaves (``params["w"]`` belongs to ``params``)."""
+def _leaves_by_argument(arg_names, in_names, in_avals) -> tuple[dict[str, list], dict[str, list]]:
+    """The abstract values of each argument's leaves (``params["w"]`` belongs to ``params``), and
+    their key paths (``["w"]``)."""
     grouped: dict[str, list] = {name: [] for name in arg_names}
+    paths: dict[str, list] = {name: [] for name in arg_names}
     for leaf_name, aval in zip(in_names, in_avals):
         for name in arg_names:
             if leaf_name == name or leaf_name.startswith((f"{name}[", f"{name}.")):
                 grouped[name].append(aval)
+                paths[name].append(leaf_name[len(name):])
                 break
-    return grouped
+    return grouped, paths
 
 
 def _def_line(obj) -> int | None:
@@ -97,10 +100,12 @@ def _check_function(target, specs, static, inputs, seed, warn_float64):
     loaded = load_target(target, specs, inputs=inputs, seed=seed, static=static)
     traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
     report = typecheck.check_jaxpr(traced.closed_jaxpr, warn_float64=warn_float64)
+    arguments, paths = _leaves_by_argument(loaded.arg_names, traced.in_names, traced.in_avals)
+    paths["return"] = [name[len("out"):] for name in traced.out_names]
     report.problems.extend(typecheck.check_annotations(
-        _annotations(loaded), _leaves_by_argument(loaded.arg_names, traced.in_names, traced.in_avals),
-        traced.out_avals, file=display_path(loaded.source_file) if loaded.source_file else None,
-        line=_def_line(loaded.obj), name=loaded.name))
+        _annotations(loaded), arguments, traced.out_avals,
+        file=display_path(loaded.source_file) if loaded.source_file else None,
+        line=_def_line(loaded.obj), name=loaded.name, paths=paths))
     return report, loaded.name
 
 
