@@ -10,6 +10,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from jaxtool._compat import weakly_typed
 from jaxtool.elimination import Problem, blocks, build, run
 from jaxtool.graph import flatten
 from jaxtool.orders import parse_order, resolve_order, vertex_numbers
@@ -161,7 +162,10 @@ class _StagedJacobian:
         # jax.jacrev's layout: outer structure of the output, inner structure of the inputs (blocks
         # come in input order, jax.jacrev's in argnums order)
         columns = [problem.wrt.index(k) for k in wrt]
-        inner = [jax.tree_util.tree_unflatten(dyn_tree, [row[c] for c in columns]) for row in blocks(problem)[:n_out]]
+        weak = [jax.typeof(values[k]).weak_type for k in wrt]  # (as jax.jacrev: a weakly typed block)
+        inner = [jax.tree_util.tree_unflatten(dyn_tree, [weakly_typed(row[c]) if w else row[c]
+                                                         for c, w in zip(columns, weak)])
+                 for row in blocks(problem)[:n_out]]
         if isinstance(self.argnums, int):
             inner = [i[0] for i in inner]
         return jax.tree_util.tree_unflatten(out_tree, inner), list(problem.out_values[n_out:]), aux_tree, static

@@ -1240,6 +1240,18 @@ def test_custom_order_errors_name_the_offending_vertices():
             jaxtool.jacve(lambda x: jnp.sin(jnp.cos(x) * x) + 1.0, order=order)
 
 
+def test_blocks_of_weakly_typed_inputs_are_weakly_typed_as_jax_jacrev_makes_them():
+    # a Python float (or a value made from one) gives a weakly typed block, which promotion then
+    # follows: times a bfloat16 array it is bfloat16 (it was float32: strongly typed)
+    f = lambda p, y: p["a"] * p["b"] * y  # noqa: E731
+    args = ({"a": 1.5, "b": jnp.ones(2)}, jnp.asarray(2.0))
+    want = jax.jacrev(f, argnums=(0, 1))(*args)
+    for got in (jaxtool.jacve(f, argnums=(0, 1))(*args), jax.jit(jaxtool.jacve(f, argnums=(0, 1)))(*args)):
+        assert [x.weak_type for x in jax.tree.leaves(got)] == [x.weak_type for x in jax.tree.leaves(want)]
+    assert [x.weak_type for x in jax.tree.leaves(want)] == [True, False, True]
+    assert (jaxtool.jacve(lambda x: jnp.sin(x) * x)(1.5) * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
 def test_argnums_are_checked_as_jax_jacrev_takes_them():
     f = lambda x, y: jnp.sin(x) * y  # noqa: E731
     x, y = X[:3], 2.0
