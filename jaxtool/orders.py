@@ -69,11 +69,13 @@ def parse_order(text: str):
 
 
 def vertex_numbers(order) -> list:
-    """A custom order as a list of ints: from a list, tuple or 1-D array of integers (an
-    :class:`OrderError` for anything else, such as floats, booleans or an unordered set)."""
+    """A custom order as a list of ints: from a list, tuple or 1-D (NumPy or JAX) array of integers
+    (an :class:`OrderError` for anything else, such as floats, booleans or an unordered set)."""
     import numpy as np
 
-    if not isinstance(order, (list, tuple, np.ndarray)) or np.ndim(order) != 1:
+    if hasattr(order, "__array__") and not isinstance(order, (list, tuple)):
+        order = np.asarray(order)
+    if not (isinstance(order, (list, tuple)) or (isinstance(order, np.ndarray) and order.ndim == 1)):
         raise OrderError(f"invalid order {order!r}: give one of {', '.join(sorted(ORDERS))}, or a list, tuple "
                          "or 1-D array of vertex numbers")
     bad = [v for v in order if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))]

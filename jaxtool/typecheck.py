@@ -723,7 +723,8 @@ def _structure_problem(what: str, text: str, leaves: Sequence, paths, annotated)
             return f"{what} is a pytree of {len(leaves)} arrays but annotated {text} (structure)"
         return None
     want = [path for path, _ in annotated]
-    if len(want) != len(leaves) or (paths is not None and [_positional(p) for p in paths] != [_positional(p) for p in want]):
+    mismatched = paths is not None and [_positional(p) for p in paths] != [_positional(p) for p in want]
+    if len(want) != len(leaves) or mismatched:
         have = ", ".join(paths) if paths is not None else f"{len(leaves)} arrays"
         return f"{what} has leaves {have or 'none'} but annotated {', '.join(want) or 'none'} (structure)"
     return None

@@ -1231,7 +1231,8 @@ def test_custom_order_errors_name_the_offending_vertices():
         resolve_order("sideways", problem)
     # vertex numbers as a list, tuple or 1-D array of integers, nothing else (2.5 was truncated to 2,
     # a set taken in its iteration order, None a raw TypeError)
-    assert resolve_order(np.array(eliminable), problem) == resolve_order(tuple(eliminable), problem) == eliminable
+    for sequence in (np.array(eliminable), jnp.array(eliminable), tuple(eliminable)):
+        assert resolve_order(sequence, problem) == eliminable
     for order, message in [([2.5] + eliminable[1:], "2.5 is not a vertex number"),
                            ([True] + eliminable[1:], "True is not a vertex number"),
                            (set(eliminable), "or a list, tuple or 1-D array of vertex numbers"),
