@@ -190,15 +190,19 @@ def signed_sum(eqn, invals, outvals, wrt):
                                     jnp.asarray(-1, dtype) if i in negative else None, dtype)) for i in wrt]
 
 
+def _ones_where(chosen, dtype):
+    """1 where the boolean array ``chosen`` holds, else 0, in ``dtype``: with a select, not a
+    conversion of the booleans, which XLA turns a product with into a select that drops the NaN
+    of a zero times an infinite or NaN value (under ``jax.jit``)."""
+    return jax.lax.select(chosen, jnp.ones(chosen.shape, dtype), jnp.zeros(chosen.shape, dtype))
+
+
 def _chosen_partial(x_shape, out_shape, chosen, dtype) -> Sparse:
     """The partial of an operand that is the result where ``chosen`` holds (broadcastable to
     ``out_shape``): one there, and elsewhere an exact zero (:attr:`~jaxtool.partials.Sparse.live`),
     as JAX's JVP rules of ``select_n`` and ``clamp`` select the tangent rather than multiply it."""
     chosen = jnp.broadcast_to(chosen, out_shape)
-    # (a select, not a conversion of the booleans: XLA turns a product with converted booleans
-    # into a select, which would drop the NaN of an exact zero times an infinite partial)
-    ones = jax.lax.select(chosen, jnp.ones(out_shape, dtype), jnp.zeros(out_shape, dtype))
-    partial = _operand_partial(x_shape, out_shape, ones, dtype)
+    partial = _operand_partial(x_shape, out_shape, _ones_where(chosen, dtype), dtype)
     return replace(partial, live=reshaped(chosen, partial.val_shape))
 
 
@@ -343,21 +347,18 @@ def disjoint_reduction(eqn, invals, outvals, wrt):
         _, pullback = jax.vjp(lambda a: bind(eqn, a), x)
         (g,) = pullback(jnp.ones(_shape(y), jax.typeof(y).dtype))
     else:
-        g = _chosen_share(x, y, kept)
+        g = _chosen_share(x, y, kept, axes)
     val = jnp.transpose(g, kept + axes)
     return [(0, 0, Sparse(_shape(y), _shape(x), tuple(kept), val.shape, np.dtype(val.dtype), val))]
 
 
-def _chosen_share(x, y, kept):
-    """The partial of ``reduce_max``/``reduce_min`` as JAX's rule computes it: ``1 / count`` at the
-    ``count`` elements equal to their result (ties split), 0 elsewhere, and NaN throughout a NaN
-    result's elements (0 / 0). Built with a select: JAX's rule multiplies converted booleans by a
-    cotangent of ones, which XLA turns into a select that gives 0 there under ``jax.jit``."""
-    dtype = jax.typeof(x).dtype
-    chosen = x == jax.lax.broadcast_in_dim(y, _shape(x), kept)
-    ones = jax.lax.select(chosen, jnp.ones(_shape(x), dtype), jnp.zeros(_shape(x), dtype))
-    counts = jnp.sum(ones, axis=tuple(j for j in range(len(_shape(x))) if j not in kept), keepdims=True)
-    return ones / counts
+def _chosen_share(x, y, kept, axes):
+    """The partial of ``reduce_max``/``reduce_min`` (result ``y`` of ``x`` over ``axes``) as JAX's
+    rule computes it: ``1 / count`` at the ``count`` elements equal to their result (ties split),
+    0 elsewhere, and NaN throughout a NaN result's elements (0 / 0). JAX's rule itself, applied to
+    a cotangent of ones, gives 0 there under ``jax.jit`` (see :func:`_ones_where`)."""
+    ones = _ones_where(x == jax.lax.broadcast_in_dim(y, _shape(x), kept), jax.typeof(x).dtype)
+    return ones / jnp.sum(ones, axis=tuple(axes), keepdims=True)
 
 
 @register(P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p, P.cumlogsumexp_p)
