@@ -522,10 +522,27 @@ def _read_inputs(path, specs: list) -> list:
             if tuple(array.shape) != tuple(spec.shape):
                 raise UsageError(f"--inputs {path}: {key} is {format_spec(array)} but its spec is "
                                  f"{format_spec(spec)}")
+            have, want = _number_kind(array.dtype), _number_kind(spec.dtype)
+            if have > want:  # a lossy conversion: f64 data for an i32 argument
+                loss = ("save booleans for a boolean argument" if want == 0 else
+                        f"converting would drop its {'imaginary parts' if have == 3 else 'fractions'}")
+                raise UsageError(f"--inputs {path}: {key} is {format_spec(array)} but its spec is "
+                                 f"{format_spec(spec)}; {loss}")
             values.append(jnp.asarray(array, dtype=spec.dtype))
         else:
             values.append(jnp.asarray(array))
     return values
+
+
+def _number_kind(dtype) -> int:
+    """0 boolean, 1 integer, 2 real floating point, 3 complex: an ``--inputs`` array converts to
+    its spec's dtype only where this does not decrease (float64 to float32 is fine, float to int not)."""
+    import jax.numpy as jnp
+
+    for kind, category in enumerate((jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating)):
+        if jnp.issubdtype(dtype, category):
+            return kind
+    return 3
 
 
 def _bind(fn, sig: inspect.Signature, chosen, varargs, static: dict, name: str) -> Callable:

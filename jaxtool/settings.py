@@ -45,10 +45,34 @@ class Settings:
             print(message, file=sys.stderr)
 
     @staticmethod
+    @contextlib.contextmanager
     def user_code():
         """A context for running the user's module and function: what they print goes to stderr, so
-        that stdout carries only jaxtool's data (``--format json`` stays one JSON document)."""
-        return contextlib.redirect_stdout(sys.stderr)
+        that stdout carries only jaxtool's data (``--format json`` stays one JSON document).
+
+        Both ``sys.stdout`` and file descriptor 1 are redirected, so that ``os.write(1, ...)``, a C
+        extension's ``printf`` or a ``jax.debug.print`` land on stderr too. Where descriptor 1 or 2
+        is not open, only ``sys.stdout`` is redirected.
+        """
+        if sys.stdout is not None:  # (None where descriptor 1 was closed when Python started)
+            sys.stdout.flush()
+        saved = None
+        try:
+            saved = os.dup(1)
+            os.dup2(2, 1)
+        except OSError:
+            if saved is not None:
+                os.close(saved)
+                saved = None
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                yield
+        finally:
+            if saved is not None:
+                if sys.stderr is not None:
+                    sys.stderr.flush()
+                os.dup2(saved, 1)
+                os.close(saved)
 
     def activate(self, *, require_device: bool = True) -> None:
         """Import JAX and apply the backend and x64 settings.

@@ -258,6 +258,18 @@ def test_check_exit_code_follows_the_comparison(capsys):
         assert line.startswith("error: --check: the Jacobian differs from jax.")
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--check", "--atol", "nan"], "Invalid value for '--atol': 'nan' is not a finite number >= 0"),
+    (["--check", "--rtol", "inf"], "Invalid value for '--rtol': 'inf' is not a finite number >= 0"),
+    (["--check", "--rtol", "-1e-3"], "'-1e-3' is not a finite number >= 0"),
+    (["--rtol", "1e-3"], "error: --rtol sets a tolerance of --check; add --check"),
+    (["--atol", "0"], "error: --atol sets a tolerance of --check; add --check"),
+])
+def test_tolerances_are_finite_and_need_check(capsys, args, message):
+    code, out, err = jac(capsys, ELEMENTWISE, *args)
+    assert code == 2 and out == "" and message in err
+
+
 def test_what_the_function_prints_goes_to_stderr(capsys):
     # it runs for the trace, the elimination and both references of --check: none of it on stdout,
     # which holds one JSON document
@@ -385,6 +397,18 @@ def test_subprocess_run():
     assert data["order"] == "markowitz" and len(data["vertices"]) == 13
     expected = reference_leaves(ELEMENTWISE, 0)[0][0]
     np.testing.assert_allclose(data["blocks"][0]["values"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_writes_to_descriptor_1_in_user_code_go_to_stderr(tmp_path):
+    # os.write(1, ...) bypasses sys.stdout (as C extensions' printf does): at import and while traced
+    (tmp_path / "raw.py").write_text(
+        "import os\nimport jax.numpy as jnp\nos.write(1, b'raw at import\\n')\n\n\n"
+        "def f(x):\n    os.write(1, b'raw while traced\\n')\n    return jnp.sin(x)\n")
+    result = subprocess.run([sys.executable, "-m", "jaxtool", "jac", "raw.py:f", "f32[2]", "--format", "json"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)["blocks"]) == 1
+    assert "raw at import" in result.stderr and "raw while traced" in result.stderr
 
 
 def test_error_measures_handle_nan_and_zeros():

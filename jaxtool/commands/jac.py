@@ -23,6 +23,21 @@ from jaxtool.errors import CheckFailed, UnsupportedError, UsageError
 DEFAULT_TOLERANCES = {8: (1e-10, 1e-10), 4: (1e-4, 1e-5), 2: (1e-2, 1e-2)}
 
 
+class Tolerance(click.ParamType):
+    """A finite number >= 0 (``click.FloatRange(min=0)`` lets ``nan`` and ``inf`` through)."""
+
+    name = "tolerance"
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is None or not 0 <= number < float("inf"):
+            self.fail(f"{value!r} is not a finite number >= 0", param, ctx)
+        return number
+
+
 @click.command(name="jac")
 @click.argument("target")
 @click.argument("specs", nargs=-1)
@@ -39,9 +54,9 @@ DEFAULT_TOLERANCES = {8: (1e-10, 1e-10), 4: (1e-4, 1e-5), 2: (1e-2, 1e-2)}
               help="Seed for values drawn from specs.")
 @click.option("--check", is_flag=True,
               help="Recompute with jax.jacrev and jax.jacfwd; exit 1 if either differs beyond the tolerances.")
-@click.option("--rtol", type=click.FloatRange(min=0), default=None, metavar="TOL",
+@click.option("--rtol", type=Tolerance(), default=None, metavar="TOL",
               help="Relative tolerance of --check [default: 1e-4 for float32, 1e-10 for float64].")
-@click.option("--atol", type=click.FloatRange(min=0), default=None, metavar="TOL",
+@click.option("--atol", type=Tolerance(), default=None, metavar="TOL",
               help="Absolute tolerance of --check [default: 1e-5 for float32, 1e-10 for float64].")
 @click.option("--save", metavar="FILE.npz",
               help="Save the blocks as arrays jac_I_J (output leaf I, differentiated leaf J), shaped as jax.jacrev's.")
@@ -66,6 +81,8 @@ def command(settings, target, specs, order_text, argnums, static, inputs, seed, 
     """
     from jaxtool.orders import parse_order
 
+    if not check and (rtol is not None or atol is not None):
+        raise UsageError(f"{'--rtol' if rtol is not None else '--atol'} sets a tolerance of --check; add --check")
     positions = _parse_argnums(argnums)
     order = parse_order(order_text)
     settings.activate()
