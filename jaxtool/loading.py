@@ -443,7 +443,7 @@ def _infer(positional, namespace: dict, name: str):
         try:
             spec = spec_of_annotation(param.annotation, namespace) if param.annotation is not param.empty else None
         except SpecError as exc:
-            spec, problem = None, f" ({exc})"
+            spec, problem = None, f" from its annotation ({exc})"
         if spec is not None:
             chosen.append(param)
             values.append(spec)

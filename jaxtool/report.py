@@ -30,6 +30,12 @@ SPY_BRAILLE_ROWS, SPY_BRAILLE_COLS = 16, 64
 _BRAILLE_BITS = np.array([[0x01, 0x08], [0x02, 0x10], [0x04, 0x20], [0x40, 0x80]])
 
 
+def _printable(values: np.ndarray) -> np.ndarray:
+    """``values``, with bfloat16 and the other ml_dtypes floats as float32 (which holds them exactly):
+    numpy prints those without aligning columns."""
+    return values.astype(np.float32) if values.dtype.kind == "V" else values
+
+
 @dataclass(frozen=True)
 class Block:
     """One block of the Jacobian: output leaf ``output`` with respect to input leaf ``input``."""
@@ -133,10 +139,10 @@ def render_text(report: JacobianReport, *, spy: bool = False) -> Text:
             out.append("" if size == 1 and previous_single else "\n")
             out.append(f"{block.output} w.r.t. {block.input}", "bold")
             if size == 1:
-                out.append(f"  {_spec(block)} = {np.array2string(block.values.reshape(()), precision=6)}\n")
+                out.append(f"  {_spec(block)} = {np.array2string(_printable(block.values).reshape(()), precision=6)}\n")
             else:
                 out.append(f"  {_spec(block)}\n")
-                out.append(np.array2string(block.matrix, precision=6, max_line_width=160) + "\n")
+                out.append(np.array2string(_printable(block.matrix), precision=6, max_line_width=160) + "\n")
         previous_single = size == 1
 
     if spy:

@@ -99,6 +99,8 @@ def parse_aval(text: str):
     dtype = _parse_dtype(token, text)
     dims = [d.strip() for d in dims_text.split(",")] if dims_text.strip() else []
     for dim in dims:
+        if dim.isidentifier():
+            raise SpecError(f"bad spec {text!r}: dimension {dim!r} is a name, not a size; {EXPECTED}")
         if not dim.isdigit():
             raise SpecError(f"bad spec {text!r}: dimension {dim!r} is not a non-negative integer; {EXPECTED}")
     check_x64(dtype, text)

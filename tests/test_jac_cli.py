@@ -244,6 +244,15 @@ def test_blocks_up_to_64_elements_are_printed_in_full():
     assert SMALL_BLOCK == 64
 
 
+def test_bfloat16_blocks_print_in_aligned_columns_as_float32_blocks_do():
+    from jaxtool.report import JacobianReport, render_text
+
+    values = np.array([[-0.53125, 0.0], [0.0, 1.046875]], np.float32)
+    texts = [render_text(JacobianReport("rev", (1,), 0, 0, (Block("a", "x", (2,), (2,), values.astype(dtype)),)))
+             .plain.split("\n\n")[1].split("\n", 1)[1] for dtype in (np.float32, jnp.bfloat16)]
+    assert texts[0] == texts[1] == "[[-0.53125   0.      ]\n [ 0.        1.046875]]"
+
+
 # ------------------------------------------------------------------------------------- check
 
 

@@ -375,7 +375,8 @@ def test_jaxtyping_annotations():
 @pytest.mark.parametrize("name, fragment", [
     ("affine", "cannot infer inputs for parameter 'w' of affine; give a spec such as 'f32[3]'"),
     ("unannotated", "cannot infer inputs for parameter 'x' of unannotated"),
-    ("bad_annotation", "parameter 'x' of bad_annotation (bad spec 'f32[3,x]'"),
+    ("bad_annotation", "parameter 'x' of bad_annotation from its annotation (bad spec 'f32[3,x]': "
+                       "dimension 'x' is a name, not a size;"),
 ])
 def test_cannot_infer_inputs(name, fragment):
     with pytest.raises(UsageError) as info:

@@ -392,6 +392,10 @@ def test_usage_errors():
     assert isinstance(result.exception, UsageError) and result.exception.exit_code == 2
     result = CliRunner().invoke(cli, ["show", target("tiny"), "--depth", "-1"])
     assert result.exit_code == 2 and "--depth" in result.output
+    result = CliRunner().invoke(cli, ["show", target("tiny"), "--stage", "stablehlo", "--vertices", "--source"])
+    assert isinstance(result.exception, UsageError) and result.exception.exit_code == 2
+    assert str(result.exception) == "--source and --vertices apply to --stage jaxpr only, not to the lowered " \
+                                    "stablehlo module"
 
 
 def test_what_the_function_prints_goes_to_stderr():

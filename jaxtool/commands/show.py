@@ -49,6 +49,11 @@ def command(settings, target, specs, static, inputs, seed, fmt, stage, with_sour
     """
     if fmt == "dot" and stage != "jaxpr":
         raise UsageError("--format dot needs --stage jaxpr")
+    jaxpr_only = [flag for flag, given in (("--source", with_source), ("--vertices", vertices),
+                                           ("--depth", depth is not None), ("--inline", inline)) if given]
+    if jaxpr_only and stage != "jaxpr":
+        raise UsageError(f"{' and '.join(jaxpr_only)} {'apply' if len(jaxpr_only) > 1 else 'applies'} to "
+                         f"--stage jaxpr only, not to the lowered {stage} module")
     settings.activate(require_device=stage == "jaxpr")
 
     from jaxtool.loading import load_target
