@@ -539,10 +539,8 @@ def _number_kind(dtype) -> int:
     its spec's dtype only where this does not decrease (float64 to float32 is fine, float to int not)."""
     import jax.numpy as jnp
 
-    for kind, category in enumerate((jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating)):
-        if jnp.issubdtype(dtype, category):
-            return kind
-    return 3
+    categories = (jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating)
+    return next(kind for kind, category in enumerate(categories) if jnp.issubdtype(dtype, category))
 
 
 def _bind(fn, sig: inspect.Signature, chosen, varargs, static: dict, name: str) -> Callable:

@@ -139,7 +139,8 @@ def render_text(report: JacobianReport, *, spy: bool = False) -> Text:
             out.append("" if size == 1 and previous_single else "\n")
             out.append(f"{block.output} w.r.t. {block.input}", "bold")
             if size == 1:
-                out.append(f"  {_spec(block)} = {np.array2string(_printable(block.values).reshape(()), precision=6)}\n")
+                value = np.array2string(_printable(block.values).reshape(()), precision=6)
+                out.append(f"  {_spec(block)} = {value}\n")
             else:
                 out.append(f"  {_spec(block)}\n")
                 out.append(np.array2string(_printable(block.matrix), precision=6, max_line_width=160) + "\n")

@@ -417,7 +417,8 @@ def test_inputs_cast_to_spec_dtype(tmp_path):
     ({"arg0": np.ones((2, 3), np.float32), "arg1": np.ones(2), "arg2": np.ones((4, 3))},
      ["f32[3,2]", "f32[2]", "f32[4,3]"], "arg0 is f32[2,3] but its spec is f32[3,2]"),
     ({"arg0": np.ones(2)}, ['{"w": "f32[2]"}'], "pytree spec"),
-    ({"arg0": np.full(2, 1.5)}, ["i32[2]"], "arg0 is f64[2] but its spec is i32[2]; converting would drop its fractions"),
+    ({"arg0": np.full(2, 1.5)}, ["i32[2]"],
+     "arg0 is f64[2] but its spec is i32[2]; converting would drop its fractions"),
     ({"arg0": np.ones(2, np.complex64)}, ["f32[2]"], "would drop its imaginary parts"),
     ({"arg0": np.arange(2)}, ["bool[2]"], "save booleans for a boolean argument"),
 ])
