@@ -57,6 +57,11 @@ HOST_CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "d
 _CALLS = frozenset(p.name for p in (prims.jit_p, prims.closed_call_p, prims.call_p, prims.remat_p,
                                     prims.custom_jvp_call_p, prims.custom_vjp_call_p))
 
+#: Primitives whose body runs per device (jax.extend.core.primitives exports neither). Their body's
+#: collectives are typed against a mesh and axis environment that only JAX's own checker sets up, so
+#: jaxtool leaves the types of their equations to it (JT001) and checks the rest of the body.
+_MAPPED = frozenset({"shard_map", "xla_pmap"})
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -234,6 +239,7 @@ class _Checker:
     def __init__(self, *, warn_float64: bool):
         self.warn_float64 = warn_float64
         self.report = Report()
+        self.mapped_depth = 0  # how many _MAPPED bodies enclose the equations being checked
 
     def add(self, code: str, message: str, where: str, loc=None, eqn=None) -> None:
         file, line, col = loc if loc else (None, None, 1)
@@ -307,11 +313,14 @@ class _Checker:
             self.add("JT009", f"the equation's primitive is not a JAX Primitive ({type(eqn.primitive).__name__})",
                      where, loc, eqn)
         elif in_avals is not None and out_avals is not None:
-            if not self.calls(eqn, in_avals, out_avals, where, loc):
+            if not self.calls(eqn, in_avals, out_avals, where, loc) and not self.mapped_depth:
                 self.abstract_eval(eqn, in_avals, out_avals, where, loc)
             self.warnings(eqn, name, in_avals, out_avals, where, loc)
+        mapped = name in _MAPPED
+        self.mapped_depth += mapped
         for label, sub in _nested(eqn.params):
             self.jaxpr(_open(sub), f"{where}/{label}", loc, eqn)
+        self.mapped_depth -= mapped
         for k, var in enumerate(eqn.outvars):
             if not isinstance(var, jcore.Var) or isinstance(var, jcore.DropVar):
                 continue
@@ -363,7 +372,7 @@ class _Checker:
         try:
             out = prim.abstract_eval(*in_avals, **eqn.params)
         except NotImplementedError as exc:
-            if name not in _CALLS:  # calls are checked against their jaxpr instead
+            if name not in _CALLS | _MAPPED:  # calls are checked against their jaxpr instead
                 self.add("JT008", f"cannot infer the result types of `{name}`: {_first_line(exc)}",
                          where, loc, eqn)
             return

@@ -59,6 +59,19 @@ def test_well_typed_programs_have_no_problems():
         assert report.n_equations > 0
 
 
+def test_mapped_bodies_with_collectives_are_well_typed_and_still_walked():
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("i",))
+    centred = jax.shard_map(lambda v: v - lax.pmean(v, "i"), mesh=mesh, in_specs=PartitionSpec("i"),
+                            out_specs=PartitionSpec("i"))
+    pmapped = jax.pmap(lambda v: v - lax.pmean(v, "b"), axis_name="b")
+    for fn, x, equations in ((centred, jnp.ones(8), 5), (pmapped, jnp.ones((1, 4)), 7)):
+        report = check_jaxpr(jax.make_jaxpr(fn)(x))  # (pmap: a jit of a shard_map)
+        assert report.problems == [], report.problems  # (collectives need the mesh's axis names)
+        assert report.n_equations == equations  # the body's equations were walked and counted
+
+
 def test_custom_derivatives_grad_and_remat_are_well_typed():
     @jax.custom_vjp
     def double(x):
