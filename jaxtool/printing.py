@@ -202,9 +202,11 @@ _JAXPRS = (jcore.Jaxpr, jcore.ClosedJaxpr)
 
 
 def is_jaxpr_param(value) -> bool:
-    """Whether a parameter holds a jaxpr or a non-empty tuple of them (as JAX's printer nests them)."""
-    return isinstance(value, _JAXPRS) or (type(value) is tuple and bool(value)
-                                          and all(isinstance(j, _JAXPRS) for j in value))
+    """Whether a parameter holds a jaxpr or a tuple of jaxprs (as JAX's printer nests them), some of
+    which may be None: ``custom_linear_solve``'s ``jaxprs`` is a NamedTuple of four, ``vecmat`` and
+    ``transpose_solve`` None where not needed."""
+    return isinstance(value, _JAXPRS) or (isinstance(value, tuple) and any(isinstance(j, _JAXPRS) for j in value)
+                                          and all(j is None or isinstance(j, _JAXPRS) for j in value))
 
 
 def subjaxprs(params: dict) -> list:
@@ -215,7 +217,7 @@ def subjaxprs(params: dict) -> list:
         if isinstance(value, _JAXPRS):
             found.append((key, None, _open(value)))
         elif is_jaxpr_param(value):
-            found.extend((key, i, _open(j)) for i, j in enumerate(value))
+            found.extend((key, i, _open(j)) for i, j in enumerate(value) if j is not None)
     return found
 
 

@@ -84,6 +84,14 @@ def noisy_lowered(x):
 noisy_lowered_example_args = noisy_example_args
 
 
+def solve(a, b):
+    return jnp.linalg.solve(a, b)  # custom_linear_solve: its jaxprs are a NamedTuple
+
+
+def solve_example_args():
+    return jax.ShapeDtypeStruct((3, 3), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.float32)
+
+
 def target(name: str) -> str:
     return f"{HERE}:{name}"
 
@@ -231,6 +239,16 @@ def test_json_has_every_equation_nested_jaxprs_and_shapes():
     assert gt["invars"][1]["value"] == 0.0 and gt["source"]["file"].endswith("test_show.py")
     assert gt["source"]["function"] == "control" and "lax.cond" in gt["source"]["code"]
     json.dumps(data, allow_nan=False)  # strict JSON
+
+
+def test_the_jaxprs_of_a_linear_solve_are_nested_and_folded_like_any_other():
+    closed = jaxpr_of("solve")
+    data = json.loads(show(target("solve"), "--format", "json"))
+    assert Counter(e["primitive"] for e in _walk_json(data["jaxpr"])) == count_independently(closed.jaxpr)
+    assert data["summary"]["equations"] == sum(count_independently(closed.jaxpr).values())
+    folded = show(target("solve"), "--depth", "1", "--no-summary")
+    assert "jaxprs[0]={ ... 1 eqn }" in folded and "jaxprs[3]={ ... " in folded
+    assert "lambda" not in folded.split("custom_linear_solve", 1)[1].split("in (c,)")[0]  # no raw jaxpr text
 
 
 def test_json_depth_and_inline():
