@@ -492,6 +492,18 @@ def test_cli_jaxpr_targets(capsys, in_repo):
     assert code == 2 and err.startswith("error: ")
 
 
+def test_cli_zero_argument_targets_are_traced_not_run(capsys, in_repo):
+    code, out, err = _run(capsys, "tests/fixtures/typecheck/jaxprs.py:with_computed_constant")
+    assert (code, out) == (0, "") and "ok: no problems in with_computed_constant (2 equations)" in err
+    code, out, err = _run(capsys, "tests/fixtures/typecheck/jaxprs.py:program_with_failing_callback")
+    assert code == 0 and "W203 host callback `pure_callback`" in out
+    assert "ok: 1 warning in program_with_failing_callback" in err and "ran" not in err
+    fixture = sys.modules[next(name for name, module in sys.modules.items()
+                               if getattr(module, "__file__", "") and
+                               module.__file__.endswith("typecheck/jaxprs.py"))]
+    assert fixture.RAN == []
+
+
 def test_cli_subprocess_end_to_end():
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "NO_COLOR": "1"}

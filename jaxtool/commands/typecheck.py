@@ -20,7 +20,15 @@ def _plural(n: int, word: str) -> str:
 
 
 def _zero_arg_result(obj):
-    """``obj()`` when ``obj`` is a callable taking no required arguments that returns a jaxpr."""
+    """The jaxpr ``obj()`` returns when ``obj`` is a callable taking no required arguments that
+    returns one (a jaxpr factory), else None.
+
+    ``obj`` is called while JAX traces it, not run: a zero-argument *program* is not executed (its
+    host callbacks do not run, its arithmetic is not computed), and any exception is left to the
+    function path, which reports it as it reports a failing trace. Only a factory whose jaxpr holds
+    constants of that trace (arrays it computed with ``jnp``) is then called for real.
+    """
+    import jax
     import jax.extend.core as jcore
 
     try:
@@ -31,14 +39,32 @@ def _zero_arg_result(obj):
                 if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if required:
         return None
-    try:
+    made = []
+
+    def probe():
         result = obj()
+        if isinstance(result, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+            made.append(result)
+            return ()
+        return result
+
+    try:
+        jax.make_jaxpr(probe)()
+    except Exception:  # noqa: BLE001 - not a factory that traces, or not a program that does
+        if not made:
+            return None
+    if not made:
+        return None
+    consts = made[0].consts if isinstance(made[0], jcore.ClosedJaxpr) else []
+    if not any(isinstance(c, jax.core.Tracer) for c in consts):
+        return made[0]
+    try:
+        return obj()
     except Exception as exc:
         from jaxtool.source import exception_message, location_of_exception
 
         raise LoadError(f"calling {getattr(obj, '__qualname__', 'the target')}() failed: "
                         f"{exception_message(exc)}", location=location_of_exception(exc)) from exc
-    return result if isinstance(result, (jcore.Jaxpr, jcore.ClosedJaxpr)) else None
 
 
 def _leaves_by_argument(arg_names, in_names, in_avals) -> tuple[dict[str, list], dict[str, list]]:
