@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -330,10 +331,42 @@ def _namespace(fn) -> dict:
 
 
 def _signature(fn) -> inspect.Signature:
+    """``fn``'s signature (through wrappers), without the annotations of a function it transforms
+    (see :func:`annotations_apply`)."""
     try:
-        return inspect.signature(fn)
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):  # no introspectable signature: accept any positional arguments
         return inspect.Signature([inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
+    if annotations_apply(fn):
+        return sig
+    return sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+                       return_annotation=sig.empty)
+
+
+def annotations_apply(fn) -> bool:
+    """Whether the annotations of the function behind ``fn`` (``inspect.signature`` follows
+    partials, methods and ``__wrapped__``) describe ``fn`` itself.
+
+    Not where a wrapper on the way computes something else: JAX's transformations that change types
+    rewrite the docstring they copy (``jax.grad``: "Gradient of f ...", ``jax.vmap``: "Vectorized
+    version of f ...", ``value_and_grad``, ``jacfwd``, ``jacrev``, ``hessian``), and ``jax.pmap``
+    (a Python function with a ``lower`` method, unlike ``jax.jit``'s object) maps a leading axis.
+    ``jax.jit``, ``jax.checkpoint``, ``custom_jvp``/``custom_vjp`` and ``functools.wraps`` keep both.
+    """
+    for _ in range(100):  # bounded: wrapper chains can be cyclic
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif hasattr(fn, "__func__"):
+            fn = fn.__func__
+        elif hasattr(fn, "__wrapped__"):
+            wrapped = fn.__wrapped__
+            rewritten = (fn.__doc__ or "") != (wrapped.__doc__ or "")  # (jax.jit of no docstring: "")
+            if rewritten or (isinstance(fn, types.FunctionType) and hasattr(fn, "lower")):
+                return False
+            fn = wrapped
+        else:
+            break
+    return True
 
 
 def _parameters(sig: inspect.Signature, static: dict, name: str):

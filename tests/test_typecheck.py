@@ -492,6 +492,17 @@ def test_cli_jaxpr_targets(capsys, in_repo):
     assert code == 2 and err.startswith("error: ")
 
 
+def test_cli_annotations_of_a_transformed_function_do_not_apply_to_the_transformation(capsys, in_repo):
+    fixture = "tests/fixtures/typecheck/transformed.py"
+    assert _run(capsys, f"{fixture}:grad_of_loss", "f32[3]")[0] == 0  # not "f32[3] but annotated f32[]"
+    assert _run(capsys, f"{fixture}:batched_loss", "f32[5,3]")[0] == 0
+    code, _, err = _run(capsys, f"{fixture}:grad_of_loss")
+    assert code == 2 and "cannot infer inputs for parameter 'x' of grad_of_loss" in err
+    for kept in ("jitted_loss", "remat_loss"):
+        code, out, _ = _run(capsys, f"{fixture}:{kept}", "f32[2,2]")
+        assert code == 1 and "JT101 argument 'x' is f32[2,2] but annotated f32[n] (rank)" in out
+
+
 def test_cli_zero_argument_targets_are_traced_not_run(capsys, in_repo):
     code, out, err = _run(capsys, "tests/fixtures/typecheck/jaxprs.py:with_computed_constant")
     assert (code, out) == (0, "") and "ok: no problems in with_computed_constant (2 equations)" in err

@@ -95,10 +95,13 @@ def _annotations(loaded) -> dict:
     dimensions (``"f32[n,4]"``, which the loader cannot turn into shapes) are kept as written."""
     import ast
 
+    from jaxtool.loading import annotations_apply
     from jaxtool.source import unwrap
     from jaxtool.typecheck import parse_annotation
 
     result = dict(loaded.annotations)
+    if not annotations_apply(loaded.obj):
+        return result
     try:
         signature = inspect.signature(unwrap(loaded.obj))
     except (TypeError, ValueError):
