@@ -8,6 +8,7 @@ subcommand lives in one file, ``jaxtool/commands/NAME.py``, exporting a click co
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -16,6 +17,9 @@ from jaxtool.errors import EXIT_USAGE, JaxtoolError
 from jaxtool.settings import Settings
 
 EXIT_INTERNAL = 70
+#: stdout was closed before the data was all written (``jaxtool show f.py:g | head``): the status a
+#: process killed by SIGPIPE reports (128 + 13); Python ignores the signal and raises BrokenPipeError
+EXIT_BROKEN_PIPE = 141
 
 SUBCOMMANDS = {
     "show": "Pretty-print the jaxpr of a function.",
@@ -83,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
         code = exc.exit_code
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so that the exit's flush is quiet)
+        code = EXIT_BROKEN_PIPE
     except Exception as exc:  # a bug in jaxtool (one line unless --debug), or out of memory
         if debug:
             import traceback

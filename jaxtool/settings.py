@@ -36,8 +36,10 @@ class Settings:
 
         color = self.use_color if not stderr else (self.color != "never" and not os.environ.get("NO_COLOR")
                                                    and (self.color == "always" or sys.stderr.isatty()))
-        return Console(file=sys.stderr if stderr else sys.stdout, force_terminal=color, no_color=not color,
-                       highlight=False, soft_wrap=True, width=None if color else 200)
+        console = Console(file=sys.stderr if stderr else sys.stdout, force_terminal=color, no_color=not color,
+                          highlight=False, soft_wrap=True, width=None if color else 200)
+        console.on_broken_pipe = _broken_pipe  # (rich's own handler exits with status 1, "check failed")
+        return console
 
     def note(self, message: str) -> None:
         """A diagnostic note on stderr, unless ``--quiet``."""
@@ -94,3 +96,8 @@ class Settings:
             jax.config.update("jax_default_device", devices[0])
         elif self.backend == "cpu":
             jax.config.update("jax_default_device", jax.devices("cpu")[0])
+
+
+def _broken_pipe() -> None:
+    """Let a closed stdout reach :func:`jaxtool.cli.main`, which exits with its own status."""
+    raise BrokenPipeError

@@ -11,6 +11,7 @@ import json
 import os
 import pty
 import re
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -414,6 +415,17 @@ def test_usage_errors():
     assert isinstance(result.exception, UsageError) and result.exception.exit_code == 2
     assert str(result.exception) == "--source and --vertices apply to --stage jaxpr only, not to the lowered " \
                                     "stablehlo module"
+
+
+def test_a_reader_that_stops_early_gives_the_broken_pipe_status(tmp_path):
+    # rich's own handler would exit with 1, which means "check failed"
+    (tmp_path / "long.py").write_text("import jax.numpy as jnp\n\n\ndef long(x: 'f32[3]'):\n"
+                                      "    for _ in range(3000):\n        x = jnp.sin(x)\n    return x\n")
+    process = subprocess.Popen([sys.executable, "-m", "jaxtool", "show", "long.py:long"], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.readline().startswith(b"{ lambda")
+    process.stdout.close()  # (3000 equations: far more than a pipe buffers)
+    assert process.wait(timeout=120) == 141 and process.stderr.read() == b""
 
 
 def test_what_the_function_prints_goes_to_stderr():
