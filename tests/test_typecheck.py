@@ -503,6 +503,12 @@ def test_cli_annotations_of_a_transformed_function_do_not_apply_to_the_transform
         assert code == 1 and "JT101 argument 'x' is f32[2,2] but annotated f32[n] (rank)" in out
 
 
+def test_cli_needs_shapes_only(capsys, tmp_path):
+    (tmp_path / "huge.py").write_text("def f(x: 'f32[100000,100000,100]'):\n    return x * 2\n")
+    code, out, err = _run(capsys, f"{tmp_path / 'huge.py'}:f")  # 4 TB if values were drawn
+    assert (code, out) == (0, "") and "ok: no problems in f (1 equation)" in err and "drawn" not in err
+
+
 def test_cli_zero_argument_targets_are_traced_not_run(capsys, in_repo):
     code, out, err = _run(capsys, "tests/fixtures/typecheck/jaxprs.py:with_computed_constant")
     assert (code, out) == (0, "") and "ok: no problems in with_computed_constant (2 equations)" in err

@@ -126,7 +126,8 @@ def _check_function(target, specs, static, inputs, seed, warn_float64):
     from jaxtool.source import display_path
     from jaxtool.tracing import trace
 
-    loaded = load_target(target, specs, inputs=inputs, seed=seed, static=static)
+    # shapes suffice, as for `show`: no values are drawn (a spec too large to allocate is fine)
+    loaded = load_target(target, specs, inputs=inputs, seed=seed, static=static, concrete=False)
     traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
     report = typecheck.check_jaxpr(traced.closed_jaxpr, warn_float64=warn_float64)
     arguments, paths = _leaves_by_argument(loaded.arg_names, traced.in_names, traced.in_avals)
@@ -172,7 +173,8 @@ def _github_line(problem, strict: bool) -> str:
               help="A static (non-traced) argument, e.g. --static n=3 (repeatable).")
 @click.option("--inputs", type=click.Path(dir_okay=False), metavar="FILE.npz",
               help="Take the arguments from an .npz file instead of drawing them from SPECS.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed for drawn inputs.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed for drawn values (unused: typecheck needs only shapes; kept for parity with other commands).")
 @click.option("--strict", is_flag=True, help="Treat warnings (W2xx) as errors.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
               help="text: file:line:col: CODE message; json: a list of objects; github: annotations.")
