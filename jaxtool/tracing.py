@@ -35,13 +35,17 @@ class Traced:
 
 
 def format_path(path) -> str:
-    """A pytree key path as Python-like text: ``["w"]``, ``[0]``, ``.mu``."""
+    """A pytree key path as Python-like text: ``["w"]``, ``[0]``, ``.mu``; string keys are quoted
+    and escaped as JSON strings (``["a\\"b"]``, ``["two\\nlines"]``), so a name is one line."""
+    import json
+
     import jax
 
     parts = []
     for key in path:
         if isinstance(key, jax.tree_util.DictKey):
-            parts.append(f'["{key.key}"]' if isinstance(key.key, str) else f"[{key.key!r}]")
+            parts.append(f"[{json.dumps(key.key, ensure_ascii=False)}]" if isinstance(key.key, str)
+                         else f"[{key.key!r}]")
         elif isinstance(key, jax.tree_util.SequenceKey):
             parts.append(f"[{key.idx}]")
         elif isinstance(key, jax.tree_util.GetAttrKey):

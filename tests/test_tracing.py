@@ -68,6 +68,11 @@ def test_trace_names_for_sequences_attributes_and_single_outputs():
     assert single.in_names == ["x"] and single.out_names == ["out"]
 
 
+def test_string_keys_are_escaped_so_that_a_name_is_one_line():
+    traced = trace(lambda p: p, ({'a"b': jnp.ones(2), "two\nlines": jnp.ones(2), "λ": jnp.ones(2)},))
+    assert traced.in_names == ['p["a\\"b"]', 'p["two\\nlines"]', 'p["λ"]']
+
+
 def test_trace_accepts_shapes_and_explicit_names():
     traced = trace(lambda *xs: xs[0] * xs[1], [jax.ShapeDtypeStruct((2,), jnp.float32)] * 2, names=["a", "b"])
     assert traced.in_names == ["a", "b"]
