@@ -76,6 +76,17 @@ class Loaded:
     jaxtyping annotation itself."""
     name: str = ""
     """The target's qualified name, for messages."""
+    narrowed: tuple = ()
+    """The ``--inputs`` arrays (given without specs) taken at a narrower dtype because 64-bit mode
+    is off, as ``"arg0 (f64[3])"``."""
+
+    def notes(self, seed: int) -> list[str]:
+        """The notes a command prints on stderr about where the argument values came from."""
+        found = [f"note: inputs drawn from N(0,1) with seed {seed}"] if self.drawn else []
+        if self.narrowed:
+            found.append(f"note: --inputs {', '.join(self.narrowed)} taken at 32 bits: 64-bit mode is off "
+                         "(pass --x64 to keep 64 bits)")
+        return found
 
 
 @dataclass
@@ -117,10 +128,11 @@ def load_target(target, specs=(), *, inputs=None, seed: int = 0, static=None, co
     if isinstance(specs, str):
         specs = (specs,)
 
+    narrowed = ()
     if specs or inputs is not None:
         values = [parse_spec(s) if isinstance(s, str) else s for s in specs]
         if inputs is not None:
-            values = _read_inputs(inputs, values)
+            values, narrowed = _read_inputs(inputs, values)
         given = (f"{_plural(len(values), 'spec')} {'was' if len(values) == 1 else 'were'} given" if specs
                  else f"--inputs has {_plural(len(values), 'array')}")
         _check_count(len(values), positional, varargs, resolved.name, given)
@@ -141,7 +153,7 @@ def load_target(target, specs=(), *, inputs=None, seed: int = 0, static=None, co
     names = [p.name for p in chosen] + [f"{varargs.name}[{i}]" for i in range(extras)]
     return Loaded(fn=bound, args=tuple(args), arg_names=names, obj=resolved.obj,
                   source_file=resolved.source_file, drawn=drawn,
-                  annotations=_annotations(sig, namespace), name=resolved.name)
+                  annotations=_annotations(sig, namespace), name=resolved.name, narrowed=narrowed)
 
 
 # --- resolving targets --------------------------------------------------------------------------
@@ -512,8 +524,9 @@ def _realize(values, rng, concrete: bool):
     return [jax.tree_util.tree_map(leaf, value) for value in values], drawn
 
 
-def _read_inputs(path, specs: list) -> list:
-    """Arrays ``arg0``, ``arg1``, ... from an ``.npz`` file, checked against ``specs`` when given."""
+def _read_inputs(path, specs: list) -> tuple[list, tuple]:
+    """Arrays ``arg0``, ``arg1``, ... from an ``.npz`` file, checked against ``specs`` when given,
+    and the names of those that 64-bit mode being off narrows (see :attr:`Loaded.narrowed`)."""
     import zipfile
 
     import jax.numpy as jnp
@@ -540,7 +553,7 @@ def _read_inputs(path, specs: list) -> list:
                    ([f"unexpected {', '.join(extra)}"] if extra else [])
         raise UsageError(f"--inputs {path}: {'; '.join(problems)} (expected arrays arg0..arg{count - 1}, "
                          "one per argument)")
-    values = []
+    values, narrowed = [], []
     for i, key in enumerate(expected):
         array = arrays[key]
         if not isinstance(array, np.ndarray):  # a member that is not an .npy file: its bytes
@@ -564,7 +577,9 @@ def _read_inputs(path, specs: list) -> list:
             values.append(jnp.asarray(array, dtype=spec.dtype))
         else:
             values.append(jnp.asarray(array))
-    return values
+            if values[-1].dtype.itemsize < array.dtype.itemsize:
+                narrowed.append(f"{key} ({format_spec(array)})")
+    return values, tuple(narrowed)
 
 
 def _number_kind(dtype) -> int:

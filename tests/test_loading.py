@@ -399,6 +399,18 @@ def test_inputs_npz(tmp_path):
     np.testing.assert_array_equal(checked.args[2], x)
 
 
+def test_inputs_narrowed_by_32_bit_mode_are_noted(tmp_path):
+    path = tmp_path / "in.npz"
+    np.savez(path, arg0=np.ones((3, 2)), arg1=np.arange(2, dtype=np.float32), arg2=np.ones((4, 3)))
+    loaded = load_target(f"{BASIC}:affine", inputs=str(path))
+    assert [a.dtype for a in loaded.args] == [jnp.float32] * 3
+    assert loaded.narrowed == ("arg0 (f64[3,2])", "arg2 (f64[4,3])")
+    assert loaded.notes(0) == ["note: --inputs arg0 (f64[3,2]), arg2 (f64[4,3]) taken at 32 bits: 64-bit mode "
+                               "is off (pass --x64 to keep 64 bits)"]
+    specified = load_target(f"{BASIC}:affine", ["f32[3,2]", "f32[2]", "f32[4,3]"], inputs=str(path))
+    assert specified.narrowed == () and specified.notes(0) == []  # the specs asked for float32
+
+
 def test_inputs_cast_to_spec_dtype(tmp_path):
     path = tmp_path / "in.npz"
     np.savez(path, arg0=np.arange(3))

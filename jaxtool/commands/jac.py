@@ -93,8 +93,8 @@ def command(settings, target, specs, order_text, argnums, static, inputs, seed, 
 
     with settings.user_code():  # the function runs for the trace, the elimination and --check
         loaded = load_target(target, specs, inputs=inputs, seed=seed, static=static)
-        if loaded.drawn:
-            settings.note(f"note: inputs drawn from N(0,1) with seed {seed}")
+        for line in loaded.notes(seed):
+            settings.note(line)
         traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
         leaves, wrt = _differentiated_leaves(loaded, traced, positions)
 

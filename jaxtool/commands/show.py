@@ -61,6 +61,8 @@ def command(settings, target, specs, static, inputs, seed, fmt, stage, with_sour
 
     with settings.user_code():
         loaded = load_target(target, specs, inputs=inputs, seed=seed, static=static, concrete=False)
+        for line in loaded.notes(seed):
+            settings.note(line)
         traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
     if stage != "jaxpr":
         _show_lowered(settings, loaded, stage, fmt)

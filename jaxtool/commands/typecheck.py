@@ -119,7 +119,7 @@ def _annotations(loaded) -> dict:
     return result
 
 
-def _check_function(target, specs, static, inputs, seed, warn_float64):
+def _check_function(settings, target, specs, static, inputs, seed):
     """Load and trace a function target; typecheck its jaxpr and its annotations."""
     from jaxtool import typecheck
     from jaxtool.loading import load_target
@@ -128,8 +128,10 @@ def _check_function(target, specs, static, inputs, seed, warn_float64):
 
     # shapes suffice, as for `show`: no values are drawn (a spec too large to allocate is fine)
     loaded = load_target(target, specs, inputs=inputs, seed=seed, static=static, concrete=False)
+    for line in loaded.notes(seed):
+        settings.note(line)
     traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
-    report = typecheck.check_jaxpr(traced.closed_jaxpr, warn_float64=warn_float64)
+    report = typecheck.check_jaxpr(traced.closed_jaxpr, warn_float64=not settings.x64)
     arguments, paths = _leaves_by_argument(loaded.arg_names, traced.in_names, traced.in_avals)
     paths["return"] = [name[len("out"):] for name in traced.out_names]
     report.problems.extend(typecheck.check_annotations(
@@ -202,7 +204,7 @@ def command(settings, target, specs, static, inputs, seed, strict, fmt):
                 raise UsageError(f"{target} is a jaxpr: SPECS, --static and --inputs do not apply")
             report, name = typecheck.check_jaxpr(jaxpr, warn_float64=not settings.x64), target.rpartition(":")[2]
         else:
-            report, name = _check_function(target, specs, static, inputs, seed, warn_float64=not settings.x64)
+            report, name = _check_function(settings, target, specs, static, inputs, seed)
 
     if fmt == "json":
         click.echo(json.dumps([p.to_dict(strict) for p in report.problems], indent=2))
