@@ -15,6 +15,7 @@ from jaxtool.elimination import Problem, blocks, build, run
 from jaxtool.graph import flatten
 from jaxtool.orders import parse_order, resolve_order, vertex_numbers
 from jaxtool.partials import clear_plan_caches
+from jaxtool.rules import leaked_rule_error
 
 
 def _argnums(argnums):
@@ -151,11 +152,13 @@ class _StagedJacobian:
         self.kinds = INTEGERS  # SCALARS from the first call whose fun needs a float scalar concrete
         # aux leaves that are not arrays cannot leave jax.jit: kept per call signature, as traced
         self.aux_layouts = {}
+        self.program = None  # the last program traced
 
     def parts(self, kinds, *args, **kwargs):
         """The Jacobian, the aux leaves that are arrays, the aux tree and the other aux leaves."""
         program, values, wrt, dyn_tree, out_tree, aux_tree, static = _trace(
             self.fun_ref(), args, kwargs, self.positions, self.has_aux, kinds)
+        self.program = program  # (for the error of a custom rule that leaks a tracer, see __call__)
         problem = build(program, values, wrt)
         run(problem, resolve_order(self.order, problem))
         n_out = out_tree.num_leaves
@@ -203,7 +206,10 @@ class _StagedJacobian:
             static, call_tree, dynamic = _split(args, kwargs, self.positions, k)
             return self.staged(k, static, call_tree, *dynamic), static
 
-        (result, arrays), static = self.with_kinds(staged_call)
+        try:
+            (result, arrays), static = self.with_kinds(staged_call)
+        except jax.errors.UnexpectedTracerError as error:
+            raise leaked_rule_error(self.program, error) from error
         if not self.has_aux:
             return result
         return self.with_aux(result, arrays, *self.aux_layouts[static, _signature(args, kwargs)])

@@ -808,15 +808,29 @@ def custom_jvp(eqn, invals, outvals, wrt):
 def closure_error(eqn, error: Exception) -> UnsupportedError:
     """The error for a custom rule that reads a value of the trace its equation was recorded in.
 
-    A function defined inside the traced one may close over the traced one's arguments; JAX
-    traces its custom rule only when it differentiates the equation. ``jaxtool.jacve`` and
-    ``jaxtool jac`` let it read the arguments they do not differentiate (see ``jacobian._trace``);
-    a differentiated one leaves it a stale tracer, as in ``jax.jacrev``."""
+    A function defined inside the traced one may close over the traced one's arguments, and
+    ``nondiff_argnums`` closes the rule over its arguments (JAX first applies ``stop_gradient`` to
+    them, in the traced function); JAX traces the rule only when it differentiates the equation.
+    ``jaxtool.jacve`` and ``jaxtool jac`` let a closure read the arguments they do not differentiate
+    (see ``jacobian._trace``); any other traced value is a stale tracer by then (``jax.jacrev``
+    traces the rule within the function's trace)."""
     return UnsupportedError(
-        f"the derivative rule of '{eqn.name}' reads a value it closes over from the traced function, "
-        f"after that trace has ended ({type(error).__name__}): pass that value to the custom function as an argument "
-        "(nondiff_argnums where it is not differentiated); a closure over an argument that is not "
-        "differentiated is accepted", primitive=eqn.name, location=eqn.location())
+        f"the derivative rule of '{eqn.name}' reads a value of the traced function after that trace has ended "
+        f"({type(error).__name__}): an array given as a nondiff_argnums argument (such as n of "
+        "jax.scipy.special.expn), or a traced value the custom function closes over; pass a Python number "
+        "there, or make the value an argument of the custom function (closing over an argument that is not "
+        "differentiated is accepted)", primitive=eqn.name, location=eqn.location())
+
+
+def leaked_rule_error(program, error: Exception) -> Exception:
+    """``error`` (a tracer leaked from the elimination of ``program``) as the :func:`closure_error`
+    of the first custom derivative rule of ``program`` that can have leaked it; ``error`` itself
+    where ``program`` has none. (The leak shows only when the staged Jacobian's trace ends.)"""
+    custom = (P.custom_jvp_call_p, P.custom_vjp_call_p)
+    for eqn in program.eqns if program is not None else ():
+        if eqn.primitive in custom or any(contains(sub, p) for _, _, sub in subjaxprs(eqn.params) for p in custom):
+            return closure_error(eqn, error)
+    return error
 
 
 @register(P.custom_vjp_call_p)

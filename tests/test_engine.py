@@ -763,10 +763,31 @@ def test_custom_rules_that_close_over_an_argument_not_differentiated():
         for order in ("fwd", "rev", "markowitz"):
             assert_same_jacobian(jaxtool.jacve(f, order=order)(X[:3], y, **kwargs), want, rtol=1e-5, atol=1e-6)
             assert_same_jacobian(jax.jit(jaxtool.jacve(f, order=order))(X[:3], y, **kwargs), want, rtol=1e-5, atol=1e-6)
-    # over the differentiated argument itself: jax.jacrev raises that a tracer escaped, and so does jacve
-    for jacobian in (jax.jacrev, jaxtool.jacve):
-        with pytest.raises(jax.errors.UnexpectedTracerError):
-            jacobian(with_custom_jvp, argnums=1)(X[:3], y, scale={"s": 2.0})
+    # over the differentiated argument itself: jax.jacrev raises that a tracer escaped; jacve says
+    # which rule did it, and where (the CLI's exit-4 error)
+    with pytest.raises(jax.errors.UnexpectedTracerError):
+        jax.jacrev(with_custom_jvp, argnums=1)(X[:3], y, scale={"s": 2.0})
+    with pytest.raises(UnsupportedError, match=r"test_engine\.py:\d+: the derivative rule of 'custom_jvp_call' "
+                                               "reads a value of the traced function after that trace has ended"):
+        jaxtool.jacve(with_custom_jvp, argnums=1)(X[:3], y, scale={"s": 2.0})
+
+
+def test_a_custom_rule_given_an_array_through_nondiff_argnums_is_refused_by_name():
+    # JAX stop_gradient's a nondiff_argnums argument inside the traced function and closes the rule
+    # over the result, a tracer of a trace that has ended when elimination applies the rule; a raw
+    # UnexpectedTracerError before, even where that argument is not differentiated
+    def expn(n, x):
+        return jax.scipy.special.expn(n, x)
+
+    n, x = jnp.array([1.0, 2.0, 3.0]), jnp.array([0.5, 1.0, 1.5])
+    for argnums in (1, (0, 1)):
+        with pytest.raises(UnsupportedError, match="custom_jvp_call.*nondiff_argnums argument"):
+            jaxtool.jacve(expn, argnums=argnums)(n, x)
+    with pytest.raises(UnsupportedError, match="nondiff_argnums"):
+        jaxtool.jacobian.trace_problem(expn, n, x, argnums=1).plan()
+    # a Python number there is a constant of the rule, as jax.jacrev takes it
+    assert_same_jacobian(jaxtool.jacve(lambda x: expn(2, x))(x), jax.jacrev(lambda x: expn(2, x))(x),
+                         rtol=1e-5, atol=1e-6)
 
 
 def test_a_while_loop_read_through_a_dense_partial():

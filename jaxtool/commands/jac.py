@@ -176,6 +176,7 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
     from jaxtool.elimination import blocks, build, run
     from jaxtool.graph import flatten
     from jaxtool.orders import resolve_order
+    from jaxtool.rules import leaked_rule_error
 
     recorded, chosen = {}, set(wrt)
 
@@ -197,26 +198,10 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
     try:
         jac = jax.jit(eliminate)(leaves)
     except jax.errors.UnexpectedTracerError as error:  # a rule closing over a differentiated argument
-        raise _custom_rule_error(recorded.get("program"), error) from error
+        raise leaked_rule_error(recorded.get("program"), error) from error
     columns = sorted(wrt)  # blocks() orders the differentiated inputs by flat index
     jac = [[row[columns.index(k)] for k in wrt] for row in jac]
     return recorded["result"], jac, recorded["opaque"]
-
-
-def _custom_rule_error(program, error):
-    """``error`` (a tracer the program leaked) as the clean error of the first custom derivative
-    rule of ``program`` that can have leaked it: such a rule closes over a differentiated argument
-    (see ``rules.closure_error``)."""
-    from jax.extend.core import primitives as P
-
-    from jaxtool.printing import subjaxprs
-    from jaxtool.rules import closure_error, contains
-
-    custom = (P.custom_jvp_call_p, P.custom_vjp_call_p)
-    for eqn in program.eqns if program is not None else ():
-        if eqn.primitive in custom or any(contains(sub, p) for _, _, sub in subjaxprs(eqn.params) for p in custom):
-            return closure_error(eqn, error)
-    return error
 
 
 def _blocks(traced, wrt, jac) -> tuple:
