@@ -245,7 +245,11 @@ def param_text(value) -> str:
     name = function_name(value)
     if name is not None:
         return name
-    return _ADDRESS.sub(lambda m: " at 0x" + "X" * len(m.group(1)), str(value))
+    try:
+        text = str(value)
+    except Exception as exc:  # noqa: BLE001 - a user primitive's parameter whose repr raises
+        text = f"<{type(value).__name__}: str() raised {type(exc).__name__}>"
+    return _ADDRESS.sub(lambda m: " at 0x" + "X" * len(m.group(1)), text)
 
 
 def _all_default(values, default_text) -> bool:

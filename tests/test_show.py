@@ -417,6 +417,17 @@ def test_usage_errors():
                                     "stablehlo module"
 
 
+def test_a_parameter_whose_repr_raises_is_shown_by_its_type():
+    from jaxtool.printing import param_text
+
+    class Opaque:
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    assert param_text(Opaque()) == "<Opaque: str() raised RuntimeError>"  # (show exited 70)
+    assert param_text(frozenset({2, 1})) == "frozenset({1, 2})" and param_text(jnp.sin) == "sin"
+
+
 def test_a_reader_that_stops_early_gives_the_broken_pipe_status(tmp_path):
     # rich's own handler would exit with 1, which means "check failed"
     (tmp_path / "long.py").write_text("import jax.numpy as jnp\n\n\ndef long(x: 'f32[3]'):\n"
