@@ -496,11 +496,22 @@ class Linear(Partial):
             use_forward = self.fn is not None
         if use_forward:
             basis = jnp.eye(n_in, dtype=self.dtype).reshape((n_in,) + self.in_shape)
-            cols = jax.vmap(self.apply)(basis)  # (n_in,) + out_shape
+            cols = _vmapped(self.apply, basis)  # (n_in,) + out_shape
             return jnp.moveaxis(cols.reshape((n_in, n_out)), 0, 1).reshape(self.shape)
         basis = jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape)
-        rows = jax.vmap(self.apply_t)(basis)  # (n_out,) + in_shape
+        rows = _vmapped(self.apply_t, basis)  # (n_out,) + in_shape
         return rows.reshape(self.shape)
+
+
+def _vmapped(f, xs):
+    """``jax.vmap(f)(xs)``: a linear map applied to a stack of tangents or cotangents at once. Where
+    JAX cannot batch ``f`` (a primitive whose batching rule does not handle this axis, as
+    ``lax.ragged_dot``'s JVP: "vmap over any dim but 0 - NYI"), ``lax.map``: the same values, one
+    application after another (``jax.jacfwd`` and ``jax.jacrev`` fail there)."""
+    try:
+        return jax.vmap(f)(xs)
+    except NotImplementedError:
+        return lax.map(f, xs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1136,7 +1147,7 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         pullbacks, i = a._joint()
         pulled = pullbacks.pull(b, cast(block, a.dtype))[i]
     elif _transposable(a):
-        pulled = jax.vmap(a.apply_t)(cast(block, a.dtype))
+        pulled = _vmapped(a.apply_t, cast(block, a.dtype))
     else:  # JAX cannot transpose a (a while loop's JVP): the rows times a densified by columns
         dense = cast(a.to_dense(), dtype).reshape(_size(a.out_shape), _size(a.in_shape))
         pulled = jnp.matmul(block.reshape(n_rows, _size(a.out_shape)).astype(dtype), dense, precision=HIGHEST)
@@ -1179,7 +1190,7 @@ class JointPullback:
         ``source``."""
         key = id(source)
         if key not in self._memo:
-            self._memo[key] = (source, jax.vmap(self._vjp)(block))  # the source kept alive: its id stays its own
+            self._memo[key] = (source, _vmapped(self._vjp, block))  # the source kept alive: its id stays its own
         return self._memo[key][1]
 
 
@@ -1288,7 +1299,7 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
             val = val * reshaped(jnp.broadcast_to(b.scale, b.out_shape), tuple(b.out_shape) + (1,) * len(col_shape))
         return replace(result, val=cast(val, dtype)), cost
     block = jnp.moveaxis(block.reshape(tuple(a.out_shape) + (n_cols,)), -1, 0)
-    pushed = jax.vmap(b.apply)(cast(block, b.dtype))  # (n_cols,) + w
+    pushed = _vmapped(b.apply, cast(block, b.dtype))  # (n_cols,) + w
     val = reshaped(jnp.moveaxis(pushed, 0, -1), val_shape)
     return replace(result, val=cast(val, dtype)), cost
 

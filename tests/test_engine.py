@@ -772,6 +772,29 @@ def test_custom_rules_that_close_over_an_argument_not_differentiated():
         jaxtool.jacve(with_custom_jvp, argnums=1)(X[:3], y, scale={"s": 2.0})
 
 
+def test_an_equation_whose_derivative_jax_cannot_batch_is_densified_one_column_at_a_time():
+    # lax.ragged_dot's JVP has no batching rule for the basis axis ("vmap over any dim but 0 -
+    # NYI"): jax.jacfwd and jax.jacrev raise, and jacve raised the same raw NotImplementedError
+    def f(x, w):
+        return lax.ragged_dot(x * 1.0, w * 1.0, jnp.array([2, 4], jnp.int32)) * 2.0
+
+    values = jnp.linspace(0.1, 1.2, 42)
+    x, w = values[:18].reshape(6, 3), values[18:].reshape(2, 3, 4)
+    with pytest.raises(NotImplementedError):
+        jax.jacfwd(f)(x, w)
+
+    def by_columns(argnum):  # jax.jvp along each basis vector, unbatched
+        args = (x, w)
+        size = args[argnum].size
+        cols = [jax.jvp(f, args, tuple(jnp.eye(size)[k].reshape(a.shape) if i == argnum else jnp.zeros_like(a)
+                                       for i, a in enumerate(args)))[1] for k in range(size)]
+        return jnp.moveaxis(jnp.stack(cols), 0, -1).reshape((6, 4) + args[argnum].shape)
+
+    want = (by_columns(0), by_columns(1))
+    for order in ("fwd", "rev", "markowitz"):
+        assert_same_jacobian(jaxtool.jacve(f, order=order, argnums=(0, 1))(x, w), want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_custom_rule_given_an_array_through_nondiff_argnums_is_refused_by_name():
     # JAX stop_gradient's a nondiff_argnums argument inside the traced function and closes the rule
     # over the result, a tracer of a trace that has ended when elimination applies the rule; a raw
