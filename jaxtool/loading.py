@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import functools
 import hashlib
 import importlib
 import importlib.util
@@ -50,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jaxtool.errors import JaxtoolError, LoadError, SpecError, UsageError
-from jaxtool.source import code_file, display_path, exception_message, location_of_exception, unwrap
+from jaxtool.source import code_file, display_path, exception_message, location_of_exception, unwrap, wrapper_chain
 from jaxtool.specs import check_x64, draw, format_spec, parse_spec, parse_statics, resolve_annotation, \
     spec_of_annotation
 
@@ -365,19 +364,13 @@ def annotations_apply(fn) -> bool:
     (a Python function with a ``lower`` method, unlike ``jax.jit``'s object) maps a leading axis.
     ``jax.jit``, ``jax.checkpoint``, ``custom_jvp``/``custom_vjp`` and ``functools.wraps`` keep both.
     """
-    for _ in range(100):  # bounded: wrapper chains can be cyclic
-        if isinstance(fn, functools.partial):
-            fn = fn.func
-        elif hasattr(fn, "__func__"):
-            fn = fn.__func__
-        elif hasattr(fn, "__wrapped__"):
-            wrapped = fn.__wrapped__
-            rewritten = (fn.__doc__ or "") != (wrapped.__doc__ or "")  # (jax.jit of no docstring: "")
-            if rewritten or (isinstance(fn, types.FunctionType) and hasattr(fn, "lower")):
-                return False
-            fn = wrapped
-        else:
-            break
+    chain = wrapper_chain(fn)
+    for outer, inner in zip(chain, chain[1:]):
+        if getattr(outer, "__wrapped__", None) is not inner:  # a partial's function, a method's
+            continue
+        rewritten = (outer.__doc__ or "") != (inner.__doc__ or "")  # (jax.jit of no docstring: "")
+        if rewritten or (isinstance(outer, types.FunctionType) and hasattr(outer, "lower")):
+            return False
     return True
 
 

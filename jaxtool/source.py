@@ -128,9 +128,11 @@ def location_of_exception(exc: BaseException, prefer: str | None = None) -> str 
     return format_frame(frame) if frame else None
 
 
-def unwrap(fn):
-    """The innermost function behind partials, bound methods and ``__wrapped__`` wrappers."""
-    for _ in range(100):  # bounded: wrapper chains can be cyclic
+def wrapper_chain(fn) -> list:
+    """``fn`` and the functions behind it, outermost first: through partials, bound methods and
+    ``__wrapped__`` wrappers (at most 100: wrapper chains can be cyclic)."""
+    chain = [fn]
+    while len(chain) < 100:
         if isinstance(fn, functools.partial):
             fn = fn.func
         elif hasattr(fn, "__func__"):
@@ -139,7 +141,13 @@ def unwrap(fn):
             fn = fn.__wrapped__
         else:
             break
-    return fn
+        chain.append(fn)
+    return chain
+
+
+def unwrap(fn):
+    """The innermost function behind partials, bound methods and ``__wrapped__`` wrappers."""
+    return wrapper_chain(fn)[-1]
 
 
 def code_file(fn) -> str | None:
