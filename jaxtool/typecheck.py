@@ -318,9 +318,11 @@ class _Checker:
             self.warnings(eqn, name, in_avals, out_avals, where, loc)
         mapped = name in _MAPPED
         self.mapped_depth += mapped
-        for label, sub in _nested(eqn.params):
-            self.jaxpr(_open(sub), f"{where}/{label}", loc, eqn)
-        self.mapped_depth -= mapped
+        try:
+            for label, sub in _nested(eqn.params):
+                self.jaxpr(_open(sub), f"{where}/{label}", loc, eqn)
+        finally:
+            self.mapped_depth -= mapped
         for k, var in enumerate(eqn.outvars):
             if not isinstance(var, jcore.Var) or isinstance(var, jcore.DropVar):
                 continue
