@@ -22,3 +22,15 @@ from jax._src.lax.lax import _convert_element_type  # noqa: E402
 def weakly_typed(x):
     """``x`` as a weakly typed array of its dtype."""
     return _convert_element_type(x, weak_type=True)
+
+
+# --- the operand layout of `scan` ---------------------------------------------------------------
+# Up to JAX 0.10 a scan equation says how its operands split into (consts, carry, xs) with the
+# params num_consts and num_carry. JAX 0.11 drops both and packs the layout in the param ft_in, a
+# jax._src.flattree.FlatTree whose unpack() gives the three groups. Used by jaxtool.typecheck.
+def scan_layout(params) -> tuple[int, int]:
+    """The numbers of const and carry operands of a ``scan`` equation with ``params``."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

@@ -47,6 +47,7 @@ from jax.core import ShapedArray
 from jax.extend.core import primitives as prims
 
 from jaxtool import source
+from jaxtool._compat import scan_layout
 from jaxtool.specs import format_spec, is_jaxtyping, short_dtype
 
 HOST_CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "debug_print"})
@@ -451,7 +452,7 @@ class _Checker:
 
     def scan(self, eqn, in_avals, out_avals, fit, where, loc) -> None:
         params = eqn.params
-        nconsts, ncarry, length = int(params["num_consts"]), int(params["num_carry"]), int(params["length"])
+        (nconsts, ncarry), length = scan_layout(params), int(params["length"])
         consts, init, xs = in_avals[:nconsts], in_avals[nconsts:nconsts + ncarry], in_avals[nconsts + ncarry:]
         slices = []
         for k, x in enumerate(xs):
@@ -470,7 +471,7 @@ class _Checker:
                    "`scan` body", "operand", "body input", where, loc, eqn)
         gives = [getattr(v, "aval", None) for v in jaxpr.outvars]
         if len(gives) < ncarry:
-            self.add("JT007", f"`scan` body returns {len(gives)} result(s), fewer than num_carry={ncarry}",
+            self.add("JT007", f"`scan` body returns {len(gives)} result(s), fewer than its {ncarry} carry value(s)",
                      where, loc, eqn)
             return
         self.match(init, gives[:ncarry], "`scan` body", "carry input", "carry output", where, loc, eqn)
