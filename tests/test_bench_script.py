@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -222,3 +223,18 @@ def test_other_sample_programs_load_with_pytree_arguments(bench, measured):
     for heading, last in (("Run time", "hand-off"), ("Batched", "ratio")):  # the other programs' own tables
         header, _, row, _ = _table(section, heading)
         assert row[0] == "toy" and header[-1] == last
+
+
+def test_first_call_stages_prints_each_stage_as_it_ends():
+    script = SCRIPT.parent / "first_call_stages.py"
+    result = subprocess.run([sys.executable, str(script), "--programs", "human_heart_dipole", "--orders", "rev"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("device: ")
+    for label in ("jax.jacrev", "jax.jacfwd", "jacve rev"):
+        mine = [line.split(": ", 2)[2] for line in lines if line.startswith(f"human_heart_dipole: {label}: ")]
+        assert [m.split()[0] for m in mine] == ["lowered", "compiled", "first"], mine
+        assert float(mine[-1].rsplit(" ", 1)[1]) < 1e-4  # largest difference from jax.jacrev
+    bad = subprocess.run([sys.executable, str(script), "--programs", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown program(s) nope" in bad.stderr
