@@ -439,6 +439,19 @@ def test_a_reader_that_stops_early_gives_the_broken_pipe_status(tmp_path):
     assert process.wait(timeout=120) == 141 and process.stderr.read() == b""
 
 
+def test_an_unwritable_stderr_keeps_the_documented_exit_codes(tmp_path):
+    # stderr closed behind a pyenv shim is descriptor 2 open for reading: writing the error failed (exit 1)
+    (tmp_path / "loud.py").write_text("import os\n\n\ndef loud(x: 'f32[2]'):\n"
+                                      "    os.write(1, b'from the user')\n    return x * 2\n")
+    (tmp_path / "readable").write_text("")
+    for args, code in ((("show", "nope.py:f"), 3), (("jac", "loud.py:loud", "--format", "json"), 0)):
+        with open(tmp_path / "readable", "rb") as readable:
+            result = subprocess.run([sys.executable, "-m", "jaxtool", *args], cwd=tmp_path, stderr=readable,
+                                    stdout=subprocess.PIPE, timeout=120)
+        assert result.returncode == code, args
+    assert json.loads(result.stdout)["blocks"]
+
+
 def test_what_the_function_prints_goes_to_stderr():
     for name, extra in (("noisy", ()), ("noisy_lowered", ("--stage", "hlo"))):
         result = CliRunner().invoke(cli, ["show", target(name), *extra, "--format", "json"])
