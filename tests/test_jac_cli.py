@@ -108,6 +108,16 @@ def test_a_jacobian_too_large_for_memory_is_one_line_and_exit_2(capsys, monkeypa
     assert err.splitlines()[-1].startswith("error: out of memory (MemoryError: Unable to allocate 931. GiB")
 
 
+def test_an_allocation_xla_cannot_make_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    # 500 GB: XLA's allocation fails when the program runs; reading that array unwaited aborted the process
+    (tmp_path / "outer.py").write_text("import jax.numpy as jnp\n\n\ndef outer(x: 'f32[5000]'):\n"
+                                       "    return jnp.outer(x, x)\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = jac(capsys, "outer.py:outer")
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].startswith("error: out of memory (JaxRuntimeError: RESOURCE_EXHAUSTED: ")
+
+
 def test_a_negative_seed_is_a_usage_error(capsys):  # (numpy's ValueError: exit 70 before)
     code, out, err = jac(capsys, BRANCHES, "--seed", "-1")
     assert code == 2 and out == "" and "Invalid value for '--seed': -1 is not in the range x>=0" in err

@@ -196,7 +196,9 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
         return blocks(problem)
 
     try:
-        jac = jax.jit(eliminate)(leaves)
+        # waited for here: an allocation that fails (a Jacobian too large for memory) is reported by
+        # the wait, as RESOURCE_EXHAUSTED; reading the array unwaited aborts the process (JAX 0.10.2)
+        jac = jax.block_until_ready(jax.jit(eliminate)(leaves))
     except jax.errors.UnexpectedTracerError as error:  # a rule closing over a differentiated argument
         raise leaked_rule_error(recorded.get("program"), error) from error
     columns = sorted(wrt)  # blocks() orders the differentiated inputs by flat index
