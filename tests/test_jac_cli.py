@@ -118,6 +118,16 @@ def test_an_allocation_xla_cannot_make_is_one_line_and_exit_2(tmp_path, monkeypa
     assert err.splitlines()[-1].startswith("error: out of memory (JaxRuntimeError: RESOURCE_EXHAUSTED: ")
 
 
+def test_a_target_that_returns_no_arrays_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    # (an empty table and exit 0 before; with --check: "all outputs are integer or boolean")
+    (tmp_path / "nothing.py").write_text("def nothing(x: 'f32[2]'):\n    return {}\n")
+    monkeypatch.chdir(tmp_path)
+    for extra in ((), ("--check",)):
+        code, out, err = jac(capsys, "nothing.py:nothing", *extra)
+        assert code == 2 and out == ""
+        assert err.splitlines()[-1] == "error: nothing.py:nothing returns no arrays: nothing to differentiate"
+
+
 def test_a_negative_seed_is_a_usage_error(capsys):  # (numpy's ValueError: exit 70 before)
     code, out, err = jac(capsys, BRANCHES, "--seed", "-1")
     assert code == 2 and out == "" and "Invalid value for '--seed': -1 is not in the range x>=0" in err

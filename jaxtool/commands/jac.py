@@ -96,6 +96,8 @@ def command(settings, target, specs, order_text, argnums, static, inputs, seed, 
         for line in loaded.notes(seed):
             settings.note(line)
         traced = trace(loaded.fn, loaded.args, names=loaded.arg_names, source_file=loaded.source_file)
+        if not traced.out_avals:
+            raise UsageError(f"{target} returns no arrays: nothing to differentiate")
         leaves, wrt = _differentiated_leaves(loaded, traced, positions)
 
         (vertices, cost), jac, opaque = _eliminate(loaded.fn, traced.in_tree, leaves, wrt, order)
