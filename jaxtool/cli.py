@@ -64,6 +64,23 @@ def cli(ctx, backend, x64, color, quiet, debug):
     ctx.obj = Settings(backend=backend, x64=x64, color=color, quiet=quiet, debug=debug)
 
 
+def _quiet_if_stderr_unwritable() -> None:
+    """Where descriptor 2 is open for reading only, diagnostics go to the null device: a failed
+    write would end the process with status 1 ("a check failed"), not the documented code. (Closed
+    with ``2>&-``, stderr is None, which click and rich skip; but behind a pyenv shim descriptor 2
+    is then the shim's script, open for reading.)"""
+    try:
+        import fcntl
+
+        flags = fcntl.fcntl(sys.stderr.fileno(), fcntl.F_GETFL)
+    except (ImportError, AttributeError, ValueError, OSError):  # no fcntl (Windows), or no stderr
+        return
+    if flags & os.O_ACCMODE == os.O_RDONLY:  # (the descriptor, where the user's os.write(1, ...) goes too)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stderr.fileno())
+        os.close(null)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI, turning jaxtool errors into one line on stderr and an exit code."""
     args = sys.argv[1:] if argv is None else argv
@@ -108,21 +125,3 @@ def main(argv: list[str] | None = None) -> None:
 
 
 __all__ = ["cli", "main", "EXIT_USAGE"]
-
-
-
-def _quiet_if_stderr_unwritable() -> None:
-    """Where descriptor 2 is open for reading only, diagnostics go to the null device: a failed
-    write would end the process with status 1 ("a check failed"), not the documented code. (Closed
-    with ``2>&-``, stderr is None, which click and rich skip; but behind a pyenv shim descriptor 2
-    is then the shim's script, open for reading.)"""
-    try:
-        import fcntl
-
-        flags = fcntl.fcntl(sys.stderr.fileno(), fcntl.F_GETFL)
-    except (ImportError, AttributeError, ValueError, OSError):  # no fcntl (Windows), or no stderr
-        return
-    if flags & os.O_ACCMODE == os.O_RDONLY:  # (the descriptor itself: the user's os.write(1, ...) goes there)
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, sys.stderr.fileno())
-        os.close(null)
