@@ -29,6 +29,8 @@ from jaxtool.printing import subjaxprs
 SAMPLES = pathlib.Path(__file__).resolve().parent.parent / "sample_programs"
 SAMPLE_NAMES = sorted(p.stem for p in SAMPLES.glob("*.py"))
 FUNCTION_NAMES = {"mlp": "mlp_loss", "branches": "piecewise", "scan_rnn": "rnn", "pytree_params": "loss"}
+#: (major, minor) of the JAX under test, for the few tests of what changed between JAX releases
+JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
 
 
 def load_sample(stem):
@@ -803,11 +805,16 @@ def test_a_custom_rule_given_an_array_through_nondiff_argnums_is_refused_by_name
         return jax.scipy.special.expn(n, x)
 
     n, x = jnp.array([1.0, 2.0, 3.0]), jnp.array([0.5, 1.0, 1.5])
-    for argnums in (1, (0, 1)):
-        with pytest.raises(UnsupportedError, match="custom_jvp_call.*nondiff_argnums argument"):
-            jaxtool.jacve(expn, argnums=argnums)(n, x)
-    with pytest.raises(UnsupportedError, match="nondiff_argnums"):
-        jaxtool.jacobian.trace_problem(expn, n, x, argnums=1).plan()
+    if JAX_VERSION >= (0, 12):  # JAX 0.12 closes the rule over no tracer: jaxtool differentiates it
+        for argnums in (1, (0, 1)):
+            assert_same_jacobian(jaxtool.jacve(expn, argnums=argnums)(n, x), jax.jacrev(expn, argnums)(n, x),
+                                 rtol=1e-5, atol=1e-6)
+    else:
+        for argnums in (1, (0, 1)):
+            with pytest.raises(UnsupportedError, match="custom_jvp_call.*nondiff_argnums argument"):
+                jaxtool.jacve(expn, argnums=argnums)(n, x)
+        with pytest.raises(UnsupportedError, match="nondiff_argnums"):
+            jaxtool.jacobian.trace_problem(expn, n, x, argnums=1).plan()
     # a Python number there is a constant of the rule, as jax.jacrev takes it
     assert_same_jacobian(jaxtool.jacve(lambda x: expn(2, x))(x), jax.jacrev(lambda x: expn(2, x))(x),
                          rtol=1e-5, atol=1e-6)
@@ -1362,6 +1369,11 @@ def test_primitive_without_a_rule_for_one_input_is_reported():
     ("polygamma's order", lambda m: lax.polygamma(m, X[:3] + 1), "polygamma"),  # the rule raises ValueError
 ])
 def test_elementwise_primitive_without_a_rule_for_its_input_is_reported(name, fun, primitive):
+    if name == "nextafter" and JAX_VERSION >= (0, 12):  # JAX 0.12 gives nextafter a zero derivative
+        b = jnp.array([1.0, 2.0, 1.0])
+        for order in ("fwd", "rev"):
+            assert_same_jacobian(jaxtool.jacve(fun, order)(b), jax.jacfwd(fun)(b), rtol=0, atol=0)
+        return
     with pytest.raises((NotImplementedError, ValueError)):
         jax.jacfwd(fun)(jnp.array([1.0, 2.0, 1.0]))
     with pytest.raises(UnsupportedError, match=r"with respect to operand \d: ") as info:  # was the raw error
