@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from jaxtool.errors import EXIT_USAGE, JaxtoolError
+from jaxtool.errors import EXIT_USAGE, JaxtoolError, StdoutClosed
 from jaxtool.settings import Settings
 
 EXIT_INTERNAL = 70
@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> None:
         code = exc.exit_code
     except KeyboardInterrupt:
         code = 130
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so that the exit's flush is quiet)
+    except (StdoutClosed, BrokenPipeError):
+        if sys.stdout is not None:  # (so that the exit's flush is quiet)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = EXIT_BROKEN_PIPE
     except Exception as exc:  # a bug in jaxtool (one line unless --debug), or out of memory
         if debug:

@@ -71,3 +71,9 @@ class CheckFailed(JaxtoolError):
     """A requested check found problems (exit 1)."""
 
     exit_code = EXIT_CHECK_FAILED
+
+
+class StdoutClosed(Exception):
+    """stdout was closed before all the data was written (``| head``, ``>&-``): exit 141, with no
+    message, as a process killed by SIGPIPE reports. Not an ``OSError``: click ends the process
+    with status 1 ("a check failed") on a broken-pipe ``OSError`` it sees."""

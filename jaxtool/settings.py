@@ -10,7 +10,9 @@ import os
 import sys
 from dataclasses import dataclass
 
-from jaxtool.errors import UsageError
+import click
+
+from jaxtool.errors import StdoutClosed, UsageError
 
 
 @dataclass
@@ -28,18 +30,30 @@ class Settings:
             return True
         if self.color == "never" or os.environ.get("NO_COLOR"):
             return False
-        return sys.stdout.isatty()
+        return sys.stdout is not None and sys.stdout.isatty()
 
     def console(self, *, stderr: bool = False):
         """A rich console for stdout (data) or stderr (diagnostics) honouring the colour setting."""
         from rich.console import Console
 
+        if not stderr and sys.stdout is None:  # (None where descriptor 1 was closed when Python started)
+            raise StdoutClosed
         color = self.use_color if not stderr else (self.color != "never" and not os.environ.get("NO_COLOR")
                                                    and (self.color == "always" or sys.stderr.isatty()))
         console = Console(file=sys.stderr if stderr else sys.stdout, force_terminal=color, no_color=not color,
                           highlight=False, soft_wrap=True, width=None if color else 200)
         console.on_broken_pipe = _broken_pipe  # (rich's own handler exits with status 1, "check failed")
         return console
+
+    @staticmethod
+    def emit(text: str, *, nl: bool = True) -> None:
+        """Data (JSON, DOT, lowered text) on stdout; a closed stdout is :class:`StdoutClosed`."""
+        if sys.stdout is None:
+            raise StdoutClosed
+        try:
+            click.echo(text, nl=nl)
+        except BrokenPipeError as exc:
+            raise StdoutClosed from exc
 
     def note(self, message: str) -> None:
         """A diagnostic note on stderr, unless ``--quiet``."""
@@ -100,4 +114,4 @@ class Settings:
 
 def _broken_pipe() -> None:
     """Let a closed stdout reach :func:`jaxtool.cli.main`, which exits with its own status."""
-    raise BrokenPipeError
+    raise StdoutClosed

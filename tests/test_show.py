@@ -439,6 +439,22 @@ def test_a_reader_that_stops_early_gives_the_broken_pipe_status(tmp_path):
     assert process.wait(timeout=120) == 141 and process.stderr.read() == b""
 
 
+@pytest.mark.parametrize("closed", ["early", "at start"])
+def test_data_written_with_click_to_a_closed_stdout_gives_the_broken_pipe_status(tmp_path, closed):
+    # click ended the process with status 1 on the EPIPE of its echo (JSON, DOT), and a stdout
+    # closed from the start (>&-) was an internal error in `use_color`, exit 70, or data lost, exit 0
+    (tmp_path / "vec.py").write_text("def vec(x: 'f32[2]'):\n    return x * 2\n")
+    for args in (("jac", "vec.py:vec", "--format", "json"), ("show", "vec.py:vec", "--format", "dot"),
+                 ("jac", "vec.py:vec")):
+        before = (lambda: os.close(1)) if closed == "at start" else None
+        process = subprocess.Popen([sys.executable, "-m", "jaxtool", "-q", *args], cwd=tmp_path, preexec_fn=before,
+                                   stdout=subprocess.PIPE if closed == "early" else None, stderr=subprocess.PIPE)
+        if process.stdout is not None:
+            process.stdout.close()  # (before the child has imported JAX, let alone written)
+        assert process.wait(timeout=120) == 141, args
+        assert process.stderr.read() == b"", args
+
+
 def test_an_unwritable_stderr_keeps_the_documented_exit_codes(tmp_path):
     # stderr closed behind a pyenv shim is descriptor 2 open for reading: writing the error failed (exit 1)
     (tmp_path / "loud.py").write_text("import os\n\n\ndef loud(x: 'f32[2]'):\n"

@@ -110,7 +110,7 @@ def command(settings, target, specs, order_text, argnums, static, inputs, seed, 
         settings.note(f"note: saved {len(blocks)} array{'s' * (len(blocks) != 1)} jac_I_J to {save}")
 
     if fmt == "json":
-        click.echo(json.dumps(to_json(report), indent=2))
+        settings.emit(json.dumps(to_json(report), indent=2))
     else:
         settings.console().print(render_text(report, spy=spy))
     if report.check is not None and not report.check.passed:

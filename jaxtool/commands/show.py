@@ -80,9 +80,9 @@ def command(settings, target, specs, static, inputs, seed, fmt, stage, with_sour
     summary = printing.summarize(traced.closed_jaxpr, view, in_names=traced.in_names, out_names=traced.out_names)
 
     if fmt == "json":
-        click.echo(json.dumps(export.to_json(view, summary), indent=2))
+        settings.emit(json.dumps(export.to_json(view, summary), indent=2))
     elif fmt == "dot":
-        click.echo(export.to_dot(view, summary, name=target.rpartition(":")[2] or "jaxpr"), nl=False)
+        settings.emit(export.to_dot(view, summary, name=target.rpartition(":")[2] or "jaxpr"), nl=False)
     else:
         console = settings.console()
         console.print(printing.render(view, vertices=vertices, source=with_source))
@@ -98,7 +98,7 @@ def _show_lowered(settings, loaded, stage: str, fmt: str) -> None:
     with settings.user_code():
         text = lowered_text(loaded.fn, loaded.args, stage=stage, backend=settings.backend)
     if fmt == "json":
-        click.echo(json.dumps({"stage": stage, "backend": settings.backend,
-                               "platform": PLATFORMS[settings.backend], "text": text}, indent=2))
+        settings.emit(json.dumps({"stage": stage, "backend": settings.backend,
+                                  "platform": PLATFORMS[settings.backend], "text": text}, indent=2))
     else:
-        click.echo(text, nl=not text.endswith("\n"))
+        settings.emit(text, nl=not text.endswith("\n"))

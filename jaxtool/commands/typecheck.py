@@ -206,10 +206,10 @@ def command(settings, target, specs, static, inputs, seed, strict, fmt):
             report, name = _check_function(settings, target, specs, static, inputs, seed)
 
     if fmt == "json":
-        click.echo(json.dumps([p.to_dict(strict) for p in report.problems], indent=2))
+        settings.emit(json.dumps([p.to_dict(strict) for p in report.problems], indent=2))
     elif fmt == "github":
         for problem in report.problems:
-            click.echo(_github_line(problem, strict))
+            settings.emit(_github_line(problem, strict))
     else:
         _print_text(settings, report.problems, strict)
 
