@@ -446,9 +446,11 @@ def test_data_written_with_click_to_a_closed_stdout_gives_the_broken_pipe_status
     (tmp_path / "vec.py").write_text("def vec(x: 'f32[2]'):\n    return x * 2\n")
     for args in (("jac", "vec.py:vec", "--format", "json"), ("show", "vec.py:vec", "--format", "dot"),
                  ("jac", "vec.py:vec")):
-        before = (lambda: os.close(1)) if closed == "at start" else None
-        process = subprocess.Popen([sys.executable, "-m", "jaxtool", "-q", *args], cwd=tmp_path, preexec_fn=before,
-                                   stdout=subprocess.PIPE if closed == "early" else None, stderr=subprocess.PIPE)
+        command = [sys.executable, "-m", "jaxtool", "-q", *args]
+        if closed == "at start":
+            command = ["sh", "-c", 'exec "$@" >&-', "sh", *command]
+        process = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE,
+                                   stdout=subprocess.PIPE if closed == "early" else None)
         if process.stdout is not None:
             process.stdout.close()  # (before the child has imported JAX, let alone written)
         assert process.wait(timeout=120) == 141, args
