@@ -157,6 +157,10 @@ def _differentiated_leaves(loaded, traced, positions):
                 names = ", ".join(loaded.arg_names) or "none"
                 raise UsageError(f"--argnums {p}: {loaded.name} takes {count} array argument{'s' * (count != 1)} "
                                  f"({names})")
+            same = [q for q in positions if q != p and q % count == p % count]
+            if same:  # (a negative position and a non-negative one)
+                name = loaded.arg_names[p % count] if p % count < len(loaded.arg_names) else f"number {p % count}"
+                raise UsageError(f"--argnums {p} and {same[0]} name the same argument ({name})")
             wrt.extend(range(starts[p % count], starts[p % count + 1]))
         for k in wrt:
             aval = traced.in_avals[k]
