@@ -332,6 +332,20 @@ def test_check_reports_an_unavailable_reference(capsys):
     assert "check passed" in out
 
 
+def test_a_narrower_input_is_checked_at_its_own_tolerance(capsys, tmp_path, monkeypatch):
+    # its block has its dtype, as jax.jacrev's; jax.jacfwd's has the output's: at float64's tolerance
+    # the float32 block of a correct Jacobian failed against jax.jacfwd (exit 1)
+    (tmp_path / "mixed.py").write_text("import jax.numpy as jnp\n\n\ndef g(x, y):\n    return jnp.tanh(x + y)\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = jac(capsys, "mixed.py:g", "f32[3]", "f64[3]", "--argnums", "all", "--check",
+                         global_args=("--x64",))
+    assert code == 0, out + err
+    assert "check passed (rtol 0.0001, atol 1e-05)" in out
+    code, out, err = jac(capsys, "mixed.py:g", "f64[3]", "f64[3]", "--argnums", "all", "--check",
+                         global_args=("--x64",))
+    assert code == 0 and "check passed (rtol 1e-10, atol 1e-10)" in out, out + err
+
+
 def test_complex_output_checks_against_jacfwd(capsys, tmp_path):
     code, out, err = jac(capsys, f"{FIXTURES}:spectrum", "--check", "--save", str(tmp_path / "j.npz"))
     assert code == 0, err

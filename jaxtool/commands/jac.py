@@ -241,8 +241,10 @@ def _check(fn, traced, leaves, wrt, blocks, rtol, atol):
     skipped = tuple(traced.out_names[i] for i in range(len(traced.out_avals)) if i not in outs)
     n = len(wrt)
     # complex64: float32's; a program computing in a narrower float than it returns is checked at that
-    # float's tolerance (jax.jacrev rounds cotangents to it where jax.jacfwd and jaxtool do not)
+    # float's tolerance (jax.jacrev rounds cotangents to it where jax.jacfwd and jaxtool do not), and
+    # so is a block of a narrower input (its dtype, as jax.jacrev's; jax.jacfwd's has the output's)
     itemsize = min([tangent_dtype(traced.out_avals[i]).itemsize for i in outs]
+                   + [tangent_dtype(traced.in_avals[k]).itemsize for k in wrt]
                    + _computed_itemsizes(traced.closed_jaxpr.jaxpr))
     default_rtol, default_atol = DEFAULT_TOLERANCES.get(itemsize, DEFAULT_TOLERANCES[4])
     rtol = default_rtol if rtol is None else rtol
