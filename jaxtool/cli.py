@@ -84,7 +84,8 @@ def _quiet_if_stderr_unwritable() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI, turning jaxtool errors into one line on stderr and an exit code."""
     args = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in args
+    command_at = next((n for n, arg in enumerate(args) if arg in SUBCOMMANDS), len(args))
+    debug = "--debug" in args[:command_at]  # (a global option: after the command it is another option's value)
     _quiet_if_stderr_unwritable()
     try:
         code = cli.main(args=args, prog_name="jaxtool", standalone_mode=False)

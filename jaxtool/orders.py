@@ -106,15 +106,15 @@ def resolve_order(order, problem) -> list:
     if duplicates:
         problems.append(f"duplicates {_list(duplicates)}")
     if unknown:
-        problems.append(f"unknown vertices {_list(unknown)} (vertices are 1..{n})")
+        problems.append(f"unknown vertices {_list(unknown)} " + (f"(vertices are 1..{n})" if n else "(the program has no vertices)"))
     if not_eliminable:
         problems.append(f"output vertices that cannot be eliminated {_list(not_eliminable)}")
     if missing:
         problems.append(f"missing vertices {_list(missing)}")
     if problems:
         raise OrderError("invalid elimination order: " + "; ".join(problems)
-                         + f" (an order is a permutation of the {len(eliminable)} eliminable vertices; "
-                           "see `jaxtool show --vertices`)")
+                         + f" (an order is a permutation of the {len(eliminable)} eliminable "
+                           f"vert{'ex' if len(eliminable) == 1 else 'ices'}; see `jaxtool show --vertices`)")
     return order
 
 

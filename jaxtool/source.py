@@ -161,4 +161,6 @@ def code_file(fn) -> str | None:
 def exception_message(exc: BaseException) -> str:
     """``Type: first line of the message`` for one-line error reports."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):  # ("... The error was:" and the cause on the next line)
+        lines[0] = f"{lines[0]} {lines[1]}"
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

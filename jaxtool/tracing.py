@@ -96,6 +96,8 @@ def trace(fn, args, *, names: list[str] | None = None, source_file: str | None =
     except (Exception, SystemExit, GeneratorExit) as exc:  # (not KeyboardInterrupt)
         where = location_of_exception(exc, prefer=source_file or code_file(fn))
         message = exception_message(exc)
+        if "Non-hashable static arguments" in message:  # (a jit's static argument given an array)
+            message += " (give a static argument of jax.jit with --static NAME=VALUE)"
         if where is None:
             message = f"tracing {getattr(fn, '__qualname__', 'the function')} failed: {message}"
         raise LoadError(message, location=where) from exc

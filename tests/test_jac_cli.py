@@ -128,6 +128,44 @@ def test_a_target_that_returns_no_arrays_is_a_usage_error(tmp_path, monkeypatch,
         assert err.splitlines()[-1] == "error: nothing.py:nothing returns no arrays: nothing to differentiate"
 
 
+def test_a_save_path_that_cannot_be_a_file_is_refused_before_the_work(capsys, tmp_path, monkeypatch):
+    # --save '' saved nothing and said nothing (exit 0); a missing directory was found after the work
+    def no_work(*args):
+        raise AssertionError("the Jacobian was computed")
+
+    monkeypatch.setattr("jaxtool.commands.jac._eliminate", no_work)
+    for path, expected in (("", "--save '': expected the name of a file to write"),
+                           (str(tmp_path), f"--save '{tmp_path}': expected the name of a file to write"),
+                           (str(tmp_path / "no" / "j.npz"), f"no such directory {tmp_path / 'no'}")):
+        code, out, err = jac(capsys, BRANCHES, "--save", path)
+        assert code == 2 and out == "" and err.splitlines()[-1].startswith("error: ") and expected in err
+
+
+def test_debug_is_a_global_option_not_any_argument_that_reads_so(capsys):
+    # the value of --order was taken for --debug: a traceback printed before the error line
+    code, out, err = jac(capsys, BRANCHES, "--order", "--debug")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("error: invalid order '--debug'")
+
+
+def test_order_and_tracing_messages_say_what_there_is(capsys, tmp_path, monkeypatch):
+    (tmp_path / "small.py").write_text(
+        "import functools\nimport jax\n\n\ndef ident(x: 'f32[2]'):\n    return x\n\n\n"
+        "def two(x: 'f32[2]'):\n    return (x * 2) * 3\n\n\n"
+        "@functools.partial(jax.jit, static_argnames='k')\ndef power(x: 'f32[2]', k: int = 2):\n    return x ** k\n")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = jac(capsys, "small.py:ident", "--order", "1")  # ("vertices are 1..0" before)
+    assert code == 2 and "unknown vertices 1 (the program has no vertices)" in err
+    code, _, err = jac(capsys, "small.py:two", "--order", "2")
+    assert code == 2 and "(an order is a permutation of the 1 eliminable vertex; " in err
+    # JAX's message ends its first line with "The error was:" and names the cause on the next
+    code, _, err = jac(capsys, "small.py:power")
+    assert code == 3 and err.splitlines()[-1].endswith(
+        "The error was: TypeError: unhashable type: 'DynamicJaxprTracer' "
+        "(give a static argument of jax.jit with --static NAME=VALUE)")
+    assert jac(capsys, "small.py:power", "--static", "k=3")[0] == 0
+
+
 def test_a_negative_seed_is_a_usage_error(capsys):  # (numpy's ValueError: exit 70 before)
     code, out, err = jac(capsys, BRANCHES, "--seed", "-1")
     assert code == 2 and out == "" and "Invalid value for '--seed': -1 is not in the range x>=0" in err

@@ -85,6 +85,8 @@ def command(settings, target, specs, order_text, argnums, static, inputs, seed, 
         raise UsageError(f"{'--rtol' if rtol is not None else '--atol'} sets a tolerance of --check; add --check")
     positions = _parse_argnums(argnums)
     order = parse_order(order_text)
+    if save is not None:
+        _check_save_path(save)
     settings.activate()
 
     from jaxtool.loading import load_target
@@ -105,7 +107,7 @@ def command(settings, target, specs, order_text, argnums, static, inputs, seed, 
         report = JacobianReport(order_name=order if isinstance(order, str) else "custom", order=tuple(vertices),
                                 mults=cost.mults, adds=cost.adds, blocks=blocks, opaque=opaque,
                                 check=_check(loaded.fn, traced, leaves, wrt, blocks, rtol, atol) if check else None)
-    if save:
+    if save is not None:
         _save(save, blocks, len(wrt))
         settings.note(f"note: saved {len(blocks)} array{'s' * (len(blocks) != 1)} jac_I_J to {save}")
 
@@ -166,7 +168,8 @@ def _differentiated_leaves(loaded, traced, positions):
             aval = traced.in_avals[k]
             if not is_differentiable(aval):
                 raise UsageError(f"cannot differentiate with respect to {traced.in_names[k]} ({format_spec(aval)}): "
-                                 "only real floating-point inputs have derivatives; leave it out of --argnums")
+                                 "only real floating-point inputs have derivatives; leave it out of --argnums "
+                                 "(--argnums all takes every floating-point leaf)")
     if not wrt:
         raise UsageError("--argnums selects no floating-point leaves: nothing to differentiate")
     leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(loaded.args)]
@@ -312,6 +315,16 @@ def _errors(ours, reference, rtol: float, atol: float):
         large = np.isfinite(b) & (np.abs(b) > atol)
         rel = float(np.max(diff[large] / np.abs(b[large]))) if large.any() else 0.0
     return float(np.max(diff)), rel, bool(ok.all())
+
+
+def _check_save_path(path: str) -> None:
+    """A :class:`UsageError` before any work where ``--save`` names no file it could create."""
+    from pathlib import Path
+
+    if not path.strip() or Path(path).is_dir():
+        raise UsageError(f"--save {path!r}: expected the name of a file to write, such as jac.npz")
+    if not Path(path).parent.is_dir():
+        raise UsageError(f"--save {path}: no such directory {Path(path).parent}")
 
 
 def _save(path: str, blocks, n_wrt: int) -> None:
