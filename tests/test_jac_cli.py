@@ -166,6 +166,16 @@ def test_order_and_tracing_messages_say_what_there_is(capsys, tmp_path, monkeypa
     assert jac(capsys, "small.py:power", "--static", "k=3")[0] == 0
 
 
+def test_options_that_would_be_ignored_are_usage_errors(capsys, tmp_path):
+    # --spy with --format json and --seed with --inputs were silently ignored
+    code, out, err = jac(capsys, BRANCHES, "--spy", "--format", "json")
+    assert code == 2 and out == "" and "--spy draws in the text output, not in --format json" in err
+    np.savez(tmp_path / "in.npz", arg0=np.ones(3, np.float32), arg1=np.ones(3, np.float32))
+    code, out, err = jac(capsys, BRANCHES, "--inputs", str(tmp_path / "in.npz"), "--seed", "0")
+    assert code == 2 and out == "" and "--seed draws values from specs; with --inputs there are none" in err
+    assert jac(capsys, BRANCHES, "--inputs", str(tmp_path / "in.npz"))[0] == 0
+
+
 def test_a_negative_seed_is_a_usage_error(capsys):  # (numpy's ValueError: exit 70 before)
     code, out, err = jac(capsys, BRANCHES, "--seed", "-1")
     assert code == 2 and out == "" and "Invalid value for '--seed': -1 is not in the range x>=0" in err

@@ -87,6 +87,10 @@ def command(settings, target, specs, order_text, argnums, static, inputs, seed, 
     order = parse_order(order_text)
     if save is not None:
         _check_save_path(save)
+    if spy and fmt == "json":
+        raise UsageError("--spy draws in the text output, not in --format json (--save writes every block's values)")
+    if inputs is not None and click.get_current_context().get_parameter_source("seed").name == "COMMANDLINE":
+        raise UsageError("--seed draws values from specs; with --inputs there are none to draw")
     settings.activate()
 
     from jaxtool.loading import load_target
