@@ -20,8 +20,8 @@ from jaxtool.rules import leaked_rule_error
 
 def _argnums(argnums):
     """``argnums`` as ``jax.jacrev`` takes it, with Python ints: an int, or a sequence of ints (a
-    NumPy integer counts as a sequence of one, as ``jax.jacrev`` then returns a tuple); a TypeError
-    for anything else."""
+    NumPy integer or a 0-d array counts as a sequence of one, as ``jax.jacrev`` then returns a
+    tuple); a TypeError for anything else."""
     def position(p):
         if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
             raise TypeError(f"argnums must be an int or a sequence of ints, got {argnums!r}")
@@ -29,7 +29,9 @@ def _argnums(argnums):
 
     if isinstance(argnums, np.integer):
         return (position(argnums),)
-    if not isinstance(argnums, (tuple, list, np.ndarray)):
+    if hasattr(argnums, "__array__") and not isinstance(argnums, (tuple, list)):  # (a 0-d one too, as JAX)
+        argnums = np.asarray(argnums).ravel().tolist()
+    if not isinstance(argnums, (tuple, list, range)):
         return position(argnums)
     return tuple(position(p) for p in argnums)
 
@@ -188,9 +190,11 @@ class _StagedJacobian:
         return result, jax.tree_util.tree_unflatten(aux_tree, leaves)
 
     def with_kinds(self, call):
+        # (a leaked tracer: a float given to a custom_jvp/custom_vjp function through nondiff_argnums)
         try:
             return call(self.kinds)
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
+                jax.errors.UnexpectedTracerError):
             if self.kinds is SCALARS:
                 raise
             result = call(SCALARS)  # raises again where a differentiated value is what fun needs concrete

@@ -797,6 +797,37 @@ def test_an_equation_whose_derivative_jax_cannot_batch_is_densified_one_column_a
         assert_same_jacobian(jaxtool.jacve(f, order=order, argnums=(0, 1))(x, w), want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_python_float_through_nondiff_argnums_stays_a_value():
+    # traced like the other floats, it reached JAX's custom rule as a tracer: UnexpectedTracerError
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+    def scaled_vjp(x, n):
+        return jnp.sin(x) * n
+
+    scaled_vjp.defvjp(lambda x, n: (scaled_vjp(x, n), x), lambda n, r, g: (jnp.cos(r) * n * g,))
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+    def scaled_jvp(x, n):
+        return jnp.sin(x) * n
+
+    scaled_jvp.defjvp(lambda n, p, t: (scaled_jvp(p[0], n), jnp.cos(p[0]) * n * t[0]))
+    x = jnp.arange(1.0, 4.0)
+    for fn in (scaled_vjp, scaled_jvp):
+        for n in (2.5, np.float32(2.5), 3):
+            for order in ("rev", "fwd"):
+                assert_same_jacobian(jaxtool.jacve(fn, order)(x, n), jax.jacrev(fn)(x, n), rtol=1e-6, atol=1e-6)
+
+
+def test_argnums_read_as_jax_reads_them():
+    f = lambda x, y: x * y  # noqa: E731
+    x = jnp.ones(2)
+    for argnums in (np.array(1), jnp.array(1), jnp.array([0, 1]), range(2), np.int64(0), 1, (1,)):
+        assert_same_jacobian(jaxtool.jacve(f, argnums=argnums)(x, x), jax.jacrev(f, argnums=argnums)(x, x),
+                             rtol=0, atol=0)
+    for bad in (True, 1.0, "a", None, [np.array(1.5)]):
+        with pytest.raises(TypeError, match="argnums must be an int or a sequence of ints"):
+            jaxtool.jacve(f, argnums=bad)
+
+
 def test_a_custom_rule_given_an_array_through_nondiff_argnums_is_refused_by_name():
     # JAX stop_gradient's a nondiff_argnums argument inside the traced function and closes the rule
     # over the result, a tracer of a trace that has ended when elimination applies the rule; a raw
