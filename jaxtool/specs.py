@@ -160,6 +160,9 @@ def parse_statics(static) -> dict:
         return dict(static)
     if isinstance(static, str):
         static = [static]
+    if not isinstance(static, (list, tuple)) or not all(isinstance(text, str) for text in static):
+        raise SpecError(f"bad static arguments {static!r}: expected a mapping of names to values, or "
+                        "NAME=VALUE strings")
     result: dict = {}
     for text in static:
         name, value = parse_static(text)

@@ -283,6 +283,9 @@ def test_fewer_specs_keep_python_defaults():
     (["f32[1]"] * 4, None, "but 4 specs were given"),
     (["f32[2]"], ["n=2"], "parameter 'scale' of static_fn is keyword-only; bind it with --static scale=VALUE"),
     (["f32[2]"], ["n=2", "scale=1", "bogus=1"], "--static bogus: static_fn has no parameter 'bogus'"),
+    # (an AttributeError from inside the parser before)
+    (["f32[2]"], [("n", 2)], "bad static arguments [('n', 2)]: expected a mapping of names to values, or NAME="),
+    (["f32[2]"], 5, "bad static arguments 5: expected a mapping"),
 ])
 def test_usage_errors_for_specs(specs, static, fragment):
     target = f"{BASIC}:static_fn" if static else f"{BASIC}:affine"
