@@ -103,6 +103,13 @@ def resolve(target) -> object:
 
 def load(target, *specs, inputs=None, seed: int = 0, static=None) -> tuple[Callable, tuple]:
     """``(fn, args)`` for ``target``: ``fn(*args)`` runs the user's function (see :func:`load_target`)."""
+    import numpy as np
+
+    # (the CLI's options are checked by click)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise UsageError(f"seed={seed!r}: expected an integer >= 0")
+    if inputs is not None and not isinstance(inputs, (str, os.PathLike)):
+        raise UsageError(f"inputs={inputs!r}: expected the path of an .npz file")
     loaded = load_target(target, specs, inputs=inputs, seed=seed, static=static)
     return loaded.fn, loaded.args
 

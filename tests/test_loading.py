@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -239,6 +240,12 @@ def test_callable_target_and_load_api():
     np.testing.assert_array_equal(args[1], [0.0, 1.0])
     fn2, args2 = load(f"{BASIC}:affine", "f32[1,1]", "f32[1]", "f32[1,1]")
     assert fn2(*args2).shape == (1, 1)
+    # the API's own checks of what click checks on the command line (NumPy's errors before)
+    for bad, message in ((dict(seed=-1), "seed=-1: expected an integer >= 0"),
+                         (dict(seed="1"), "seed='1': expected an integer >= 0"),
+                         (dict(inputs=3), "inputs=3: expected the path of an .npz file")):
+        with pytest.raises(UsageError, match=re.escape(message)):
+            jaxtool.load(scaled, "f32[2]", "f32[2]", **bad)
 
 
 def test_resolve_returns_raw_objects():
