@@ -106,7 +106,8 @@ def resolve_order(order, problem) -> list:
     if duplicates:
         problems.append(f"duplicates {_list(duplicates)}")
     if unknown:
-        problems.append(f"unknown vertices {_list(unknown)} " + (f"(vertices are 1..{n})" if n else "(the program has no vertices)"))
+        known = f"vertices are 1..{n}" if n else "the program has no vertices"
+        problems.append(f"unknown vertices {_list(unknown)} ({known})")
     if not_eliminable:
         problems.append(f"output vertices that cannot be eliminated {_list(not_eliminable)}")
     if missing:

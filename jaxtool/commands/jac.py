@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 
 import click
+from click.core import ParameterSource
 
 from jaxtool.errors import CheckFailed, UnsupportedError, UsageError
 
@@ -89,7 +90,7 @@ def command(settings, target, specs, order_text, argnums, static, inputs, seed, 
         _check_save_path(save)
     if spy and fmt == "json":
         raise UsageError("--spy draws in the text output, not in --format json (--save writes every block's values)")
-    if inputs is not None and click.get_current_context().get_parameter_source("seed").name == "COMMANDLINE":
+    if inputs is not None and click.get_current_context().get_parameter_source("seed") is ParameterSource.COMMANDLINE:
         raise UsageError("--seed draws values from specs; with --inputs there are none to draw")
     settings.activate()
 
