@@ -73,15 +73,16 @@ def vertex_numbers(order) -> list:
     (an :class:`OrderError` for anything else, such as floats, booleans or an unordered set)."""
     import numpy as np
 
+    given = order
     if hasattr(order, "__array__") and not isinstance(order, (list, tuple)):
         order = np.asarray(order)
     if not (isinstance(order, (list, tuple)) or (isinstance(order, np.ndarray) and order.ndim == 1)):
-        raise OrderError(f"invalid order {order!r}: give one of {', '.join(sorted(ORDERS))}, or a list, tuple "
+        raise OrderError(f"invalid order {given!r}: give one of {', '.join(sorted(ORDERS))}, or a list, tuple "
                          "or 1-D array of vertex numbers")
     bad = [v for v in order if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))]
     if bad:
-        raise OrderError(f"invalid order: {_list(bad)} {'is not' if len(bad) == 1 else 'are not'} a vertex number "
-                         "(an integer)")
+        raise OrderError(f"invalid order: {_list(map(repr, bad))} {'is not' if len(bad) == 1 else 'are not'} "
+                         "a vertex number (an integer)")
     return [int(v) for v in order]
 
 

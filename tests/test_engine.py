@@ -1318,7 +1318,10 @@ def test_custom_order_errors_name_the_offending_vertices():
     for order, message in [([2.5] + eliminable[1:], "2.5 is not a vertex number"),
                            ([True] + eliminable[1:], "True is not a vertex number"),
                            (set(eliminable), "or a list, tuple or 1-D array of vertex numbers"),
-                           (None, "invalid order None"), (np.array([eliminable]), "1-D array")]:
+                           (None, "invalid order None"), (np.array([eliminable]), "1-D array"),
+                           # (strings shown quoted; a NumPy scalar as given, not as array(2))
+                           ([str(v) for v in eliminable], f"'{eliminable[0]}',"),
+                           (np.int64(2), f"invalid order {np.int64(2)!r}: give one of")]:
         with pytest.raises(OrderError, match=re.escape(message)):
             jaxtool.jacve(lambda x: jnp.sin(jnp.cos(x) * x) + 1.0, order=order)
 
