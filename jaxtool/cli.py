@@ -76,9 +76,14 @@ def _quiet_if_stderr_unwritable() -> None:
     except (ImportError, AttributeError, ValueError, OSError):  # no fcntl (Windows), or no stderr
         return
     if flags & os.O_ACCMODE == os.O_RDONLY:  # (the descriptor, where the user's os.write(1, ...) goes too)
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, sys.stderr.fileno())
-        os.close(null)
+        _to_null_device(sys.stderr.fileno())
+
+
+def _to_null_device(fd: int) -> None:
+    """Point descriptor ``fd`` at the null device."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         code = 130
     except (StdoutClosed, BrokenPipeError):
         if sys.stdout is not None:  # (so that the exit's flush is quiet)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _to_null_device(sys.stdout.fileno())
         code = EXIT_BROKEN_PIPE
     except Exception as exc:  # a bug in jaxtool (one line unless --debug), or out of memory
         if debug:

@@ -27,10 +27,8 @@ def _argnums(argnums):
             raise TypeError(f"argnums must be an int or a sequence of ints, got {argnums!r}")
         return int(p)
 
-    if isinstance(argnums, np.integer):
-        return (position(argnums),)
-    if hasattr(argnums, "__array__") and not isinstance(argnums, (tuple, list)):  # (a 0-d one too, as JAX)
-        argnums = np.asarray(argnums).ravel().tolist()
+    if hasattr(argnums, "__array__") and not isinstance(argnums, (tuple, list)):  # NumPy integers, arrays
+        return tuple(position(p) for p in np.asarray(argnums).ravel().tolist())
     if not isinstance(argnums, (tuple, list, range)):
         return position(argnums)
     return tuple(position(p) for p in argnums)
