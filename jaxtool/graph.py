@@ -233,7 +233,7 @@ def _np_broadcast_in_dim(x, *, shape, broadcast_dimensions, **_):
 
 #: primitives that :func:`evaluate` computes otherwise than by ``bind`` (name -> function of the
 #: input values and the equation's params, returning its one result): a small matrix product is
-#: a fused multiply-and-sum, cheaper on XLA:CPU than a library call (see ``partials.SMALL_CONTRACTION``)
+#: a fused multiply-and-sum on XLA:CPU, cheaper there than a library call (see ``partials.SMALL_CONTRACTION``)
 PRIMAL_RULES = {"dot_general": partials.dot_general}
 
 #: NumPy forms of integer and boolean primitives, for values computed from constants (see :func:`evaluate`)

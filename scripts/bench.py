@@ -677,9 +677,17 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)  # no persistent cache: first calls compile
-    results = [bench_program(name, *load_program(name), opts) for name in opts.programs if name in PROGRAMS]
-    structured = [bench_structured(name, *load_program(name), opts) for name in opts.programs if name in STRUCTURED]
-    others = [bench_program(name, *load_program(name), opts) for name in opts.programs if name in OTHERS]
+    results, structured, others = [], [], []
+    for found, group, measure in ((results, PROGRAMS, bench_program), (structured, STRUCTURED, bench_structured),
+                                  (others, OTHERS, bench_program)):
+        for name in [p for p in opts.programs if p in group]:
+            found.append(measure(name, *load_program(name), opts))
+            done = len(results) + len(structured) + len(others)
+            if opts.output and done < len(opts.programs):  # what a run stopped later (a timeout) measured
+                text = report(results, opts, machine, load_before, _loadavg(), time.monotonic() - started,
+                              structured, others)
+                opts.output.write_text(f"**Partial: {done} of {len(opts.programs)} programs measured; "
+                                       "the run did not end.**\n\n" + text)
     text = report(results, opts, machine, load_before, _loadavg(), time.monotonic() - started, structured, others)
     print(text)
     if opts.output:

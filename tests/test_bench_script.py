@@ -225,6 +225,25 @@ def test_other_sample_programs_load_with_pytree_arguments(bench, measured):
         assert row[0] == "toy" and header[-1] == last
 
 
+def test_a_stopped_run_keeps_what_it_measured(bench, measured, monkeypatch, tmp_path):
+    # a GPU lease's timeout stopped a run on its eighth program: the seven before it were lost
+    result, _ = measured
+
+    def bench_program(name, fn, args, opts):
+        if name == "roe_flux_3d":
+            raise TimeoutError("the lease ended")
+        return result
+
+    monkeypatch.setattr(bench, "bench_program", bench_program)
+    monkeypatch.setattr(bench, "load_program", lambda name: (toy, toy_args()))
+    output = tmp_path / "bench.md"
+    with pytest.raises(TimeoutError):
+        bench.main(["--quick", "--no-pin", "--programs", "roe_flux_1d,roe_flux_3d", "--output", str(output)])
+    text = output.read_text()
+    assert text.startswith("**Partial: 1 of 2 programs measured; the run did not end.**")
+    assert _table(text, "Run time")[2][0] == "toy"
+
+
 def test_first_call_stages_prints_each_stage_as_it_ends():
     script = SCRIPT.parent / "first_call_stages.py"
     result = subprocess.run([sys.executable, str(script), "--programs", "human_heart_dipole", "--orders", "rev"],

@@ -1470,6 +1470,31 @@ def test_primal_dot_general_matches_lax(lhs_shape, rhs_shape, dimension_numbers)
         assert [e.primitive for e in narrow.eqns] == [lax.dot_general_p]
 
 
+def _primitives(jaxpr) -> set:
+    """The primitives of ``jaxpr``'s equations and of the jaxprs nested in them."""
+    return {e.primitive for e in jaxpr.eqns} | {p for e in jaxpr.eqns for _, _, sub in subjaxprs(e.params)
+                                                for p in _primitives(sub)}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_small_products_are_written_out_on_cpu_only(monkeypatch, fused):
+    # XLA:GPU's priority fusion took a minute over the written-out forms of the encoder's products:
+    # off XLA:CPU each small contraction is a dot_general and each sum a reduce_sum, with the same values
+    monkeypatch.setattr(partials, "fuses_small_products", lambda: fused)
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.standard_normal((4, 4)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)
+
+    def f(w, x):  # 4x4 products and a sum of two rows: small enough to be written out
+        h = jnp.tanh(w @ x)
+        return jnp.tanh(w @ h) * jnp.sum(h[:2], axis=0)
+
+    for order in ("fwd", "rev", "markowitz"):
+        jacobian = jaxtool.jacve(lambda *a: f(*a), order, (0, 1))  # (a new function: traced afresh)
+        assert (lax.squeeze_p in _primitives(jax.make_jaxpr(jacobian)(w, x).jaxpr)) == fused, order
+        assert_same_jacobian(jacobian(w, x), jax.jacrev(f, (0, 1))(w, x), rtol=1e-5, atol=1e-6)
+
+
 def test_contractions_reach_dot_general_in_canonical_form():
     # XLA:CPU runs a dot whose operands are not (batch, free, contracted) x (batch, contracted, free)
     # with a slow generic loop: every operand and result layout must come out right all the same
