@@ -61,11 +61,13 @@ def parse_order(text: str):
     text = text.strip()
     if text in ORDERS:
         return text
+    parts = text.replace(" ", "").split(",") if text else []  # ("": the empty order)
     try:
-        return [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+        return [int(part) for part in parts]
     except ValueError:
         names = ", ".join(sorted(ORDERS))
-        raise OrderError(f"invalid order {text!r}: give one of {names}, or comma-separated vertex numbers") from None
+        what = "an empty entry" if "" in parts else f"give one of {names}, or comma-separated vertex numbers"
+        raise OrderError(f"invalid order {text!r}: {what}") from None
 
 
 def vertex_numbers(order) -> list:

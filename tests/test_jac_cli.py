@@ -89,6 +89,8 @@ def test_custom_order_permutation(capsys):
     ("1,2,3,4,5", "missing vertices 6,7,8"),
     ("1,2,3,4,5,6,7,8,9", "output vertices that cannot be eliminated 9"),
     ("rev,1", "invalid order 'rev,1'"),
+    ("1,2,,3,4,5,6,7,8", "invalid order '1,2,,3,4,5,6,7,8': an empty entry"),  # (was read as 1..8)
+    ("1,2,3,4,5,6,7,8,", "an empty entry"),
 ])
 def test_invalid_order_exits_2_naming_the_vertices(capsys, order, expected):
     code, out, err = jac(capsys, BRANCHES, "--order", order)
