@@ -184,11 +184,16 @@ def build(program: FlatProgram, args, wrt) -> Problem:
 
 
 def run(problem: Problem, order) -> Cost:
-    """Eliminate the vertices of ``order`` (already validated) in turn; the total cost."""
+    """Eliminate the vertices of ``order`` (already validated) in turn; the total cost, forming
+    the dense blocks of :func:`blocks` from lazy linear maps included."""
     total = Cost()
     with shared_applications():
         for v in order:
             total += problem.graph.eliminate(v)
+    for out in problem.outputs:
+        for i in problem.wrt:
+            partial = None if isinstance(out, Const) else problem.graph.preds.get(out, {}).get(input_node(i))
+            total += Cost() if partial is None else partial.densify_cost()
     return total
 
 

@@ -83,8 +83,8 @@ def vertex_numbers(order) -> list:
                          "or 1-D array of vertex numbers")
     bad = [v for v in order if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))]
     if bad:
-        raise OrderError(f"invalid order: {_list(map(repr, bad))} {'is not' if len(bad) == 1 else 'are not'} "
-                         "a vertex number (an integer)")
+        what = "is not a vertex number (an integer)" if len(bad) == 1 else "are not vertex numbers (integers)"
+        raise OrderError(f"invalid order: {_list(map(repr, bad))} {what}")
     return [int(v) for v in order]
 
 

@@ -88,6 +88,11 @@ class Partial:
     def shape(self) -> tuple:
         return tuple(self.out_shape) + tuple(self.in_shape)
 
+    def densify_cost(self) -> "Cost":
+        """The multiplications of forming the dense block (``to_dense``): none where it writes
+        stored values where they go."""
+        return Cost()
+
 
 # --------------------------------------------------------------------------------------------
 # Sparse
@@ -476,6 +481,15 @@ class Linear(Partial):
         if self.joint is None or self.has_scale or self.fn is None or not self.joint[0].usable():
             return None
         return self.joint
+
+    def densify_cost(self) -> Cost:
+        """Forming the dense block applies the map to a basis of unit vectors, the smaller one, each
+        application counted as in products (:attr:`flops`, and the scale); a selection whose
+        pattern is known while tracing is written, not applied (no multiplications)."""
+        if self.parts or self.index is not None:
+            return Cost()
+        per_application = self.flops + (_size(self.out_shape) if self.has_scale else 0)
+        return Cost(min(_size(self.in_shape), _size(self.out_shape)) * per_application, 0)
 
     def to_dense(self):
         """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""

@@ -1291,6 +1291,43 @@ def test_markowitz_picks_the_cheapest_vertex_first():
     assert run(problem.plan(), resolve_order("fwd", problem)).mults == 100
 
 
+def test_markowitz_can_be_far_worse_than_the_best_order_as_the_readme_says():
+    # the README's example of greed gone wrong (its figures were stale once: keep the claim true)
+    problem = trace_problem(lambda x: jax.nn.softmax(x @ x.T / 4, axis=-1) @ x, jnp.ones((32, 16)))
+    fwd, rev, markowitz = (run(problem.plan(), resolve_order(o, problem)).mults for o in ("fwd", "rev", "markowitz"))
+    assert markowitz > 10 * rev and fwd > markowitz
+    readme = " ".join((pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert f"{markowitz / 1e6:.1f} million multiplications to `rev`'s {rev / 1e6:.2f} million" in readme
+    assert f"(`fwd`: {fwd / 1e6:.1f} million)" in readme
+
+
+def test_forming_a_block_from_a_lazy_map_is_counted():
+    # a conv and a scan are lazy maps; a block left as one after elimination is formed by applying it
+    # to the smaller basis, each application counted as in products (the map's multiplications, plus
+    # one per output element for a scale). Both counted 0: no product had stored values to apply them to.
+    kernel = np.full((1, 1, 3, 3), 1 / 9, np.float32)
+    x = jnp.linspace(-1.0, 1.0, 64).reshape(1, 1, 8, 8)
+
+    def convs(x, layers):
+        for _ in range(layers):
+            x = jnp.tanh(lax.conv(x, kernel, (1, 1), "SAME"))
+        return x
+
+    def scanned(x):
+        carry, _ = lax.scan(lambda c, _: (jnp.sin(c), None), x, None, length=3)
+        return carry * 2.0
+
+    # one conv: 9 multiplications per output pixel (576), then tanh' as a scale (64); 64 basis vectors
+    # three: the same per layer. The scan: one multiplication per result element (4), the x2 scale (4), 4 times
+    for fun, args, per_application, basis in [(lambda x: convs(x, 1), (x,), 576 + 64, 64),
+                                              (lambda x: convs(x, 3), (x,), 3 * (576 + 64), 64),
+                                              (scanned, (jnp.ones(4),), 4 + 4, 4)]:
+        problem = trace_problem(fun, *args)
+        for order in ("fwd", "rev", "markowitz"):
+            assert run(problem.plan(), resolve_order(order, problem)).mults == per_application * basis, order
+        assert_same_jacobian(jaxtool.jacve(fun)(*args), jax.jacrev(fun)(*args), rtol=1e-5, atol=1e-6)
+
+
 # --- orders and errors
 
 
@@ -1317,6 +1354,7 @@ def test_custom_order_errors_name_the_offending_vertices():
         assert resolve_order(sequence, problem) == eliminable
     for order, message in [([2.5] + eliminable[1:], "2.5 is not a vertex number"),
                            ([True] + eliminable[1:], "True is not a vertex number"),
+                           ([1.0, 2.0], "1.0,2.0 are not vertex numbers (integers)"),
                            (set(eliminable), "or a list, tuple or 1-D array of vertex numbers"),
                            (None, "invalid order None"), (np.array([eliminable]), "1-D array"),
                            # (strings shown quoted; a NumPy scalar as given, not as array(2))
