@@ -179,7 +179,7 @@ def _resolve(target) -> _Resolved:
         if not all(part.isidentifier() for part in where.split(".")):
             raise UsageError(f"bad target {target!r}: {where!r} is neither a .py file nor a module name")
         _add_path(os.getcwd())
-        module = _import_module(where, where)
+        module = _current(_import_module(where, where), where)
     obj, parent = _lookup(module, qualname, where)
     file = code_file(obj) or getattr(module, "__file__", None)
     return _Resolved(obj, parent, qualname, os.path.abspath(file) if file else None)
@@ -193,6 +193,35 @@ def _add_path(folder: str) -> None:
 
 def _same_file(a: str | None, b: str) -> bool:
     return bool(a) and os.path.exists(a) and os.path.samefile(a, b)
+
+
+#: absolute path -> (modification time, size) of each file jaxtool imported as it was then: a
+#: later load of a target in a file changed since imports it again (``jaxtool.load`` in a
+#: notebook after an edit), where Python's import would return the module it has
+_STAMPS: dict = {}
+
+
+def _stamp(path: str) -> tuple:
+    status = os.stat(path)
+    return status.st_mtime_ns, status.st_size
+
+
+def _changed(path: str) -> bool:
+    """Whether ``path`` changed since jaxtool imported it (False for a file it did not import)."""
+    return path in _STAMPS and _STAMPS[path] != _stamp(path)
+
+
+def _current(module: types.ModuleType, where: str) -> types.ModuleType:
+    """``module`` (imported by name), imported again where its file changed since jaxtool imported it."""
+    path = getattr(module, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return module
+    path = os.path.abspath(path)
+    if _changed(path):
+        with _import_errors(where, module.__name__):
+            module = importlib.reload(module)
+    _STAMPS[path] = _stamp(path)
+    return module
 
 
 def _import_file(where: str) -> types.ModuleType:
@@ -217,7 +246,7 @@ def _import_file(where: str) -> types.ModuleType:
         if not _same_file(getattr(module, "__file__", None), path):
             raise LoadError(f"cannot import {where} as {name}: that name is already taken by "
                             f"{display_path(str(getattr(module, '__file__', None)))}")
-        return module
+        return _current(module, where)
     _add_path(folder)
     return _exec_file(path, stem, where)
 
@@ -228,17 +257,22 @@ def _exec_file(path: str, stem: str, where: str) -> types.ModuleType:
     if name in sys.modules and not _same_file(getattr(sys.modules[name], "__file__", None), path):
         name = "_jaxtool_file_" + hashlib.sha1(path.encode()).hexdigest()[:12]
     existing = sys.modules.get(name)
-    if existing is not None and _same_file(getattr(existing, "__file__", None), path):
+    if existing is not None and _same_file(getattr(existing, "__file__", None), path) and not _changed(path):
         return existing
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    stamp = _stamp(path)  # (before running it: a change made while it runs is seen next time)
     try:
         with _import_errors(where, name):
             spec.loader.exec_module(module)
     except BaseException:
-        sys.modules.pop(name, None)
+        if existing is not None:
+            sys.modules[name] = existing
+        else:
+            sys.modules.pop(name, None)
         raise
+    _STAMPS[path] = stamp
     return module
 
 

@@ -562,3 +562,39 @@ def test_not_callable_and_uninstantiable():
 def test_bad_target_syntax(target, fragment):
     with pytest.raises(UsageError, match=fragment):
         load_target(target)
+
+
+def _edit(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` with a modification time one second later than before."""
+    before = path.stat().st_mtime_ns
+    path.write_text(text)
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+
+
+@pytest.mark.parametrize("layout", ["file", "package file", "module name"])
+def test_a_load_after_an_edit_sees_the_edited_file(tmp_path, monkeypatch, layout):
+    # jaxtool.load in a notebook, the file edited, jaxtool.load again: it returned the function as first imported
+    package = f"edited_{layout.replace(' ', '_')}"
+    folder = tmp_path / package if layout != "file" else tmp_path
+    folder.mkdir(exist_ok=True)
+    if layout != "file":
+        (folder / "__init__.py").write_text("")
+    source = folder / f"{package}_model.py"
+    source.write_text("def f(x):\n    return x * 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    target = f"{package}.{source.stem}:f" if layout == "module name" else f"{source}:f"
+    try:
+        first = resolve(target)
+        assert resolve(target) is first  # unchanged: the module imported before
+        _edit(source, "def f(x):\n    return x * 2.0\n")  # (the same size)
+        fn, (x,) = load(target, "f32[]")
+        assert float(fn(x)) == 2 * float(x) and resolve(target) is not first
+        _edit(source, "def f(x):\n    return x *\n")  # an error in the edit: one line, as on a first import
+        with pytest.raises(LoadError, match="SyntaxError"):
+            resolve(target)
+    finally:
+        for name in [m for m in sys.modules if m.startswith(package)]:
+            del sys.modules[name]
+        for entry in (str(tmp_path), str(folder)):
+            while entry in sys.path:
+                sys.path.remove(entry)
