@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import sys
 from dataclasses import dataclass
 
@@ -51,7 +52,22 @@ class Settings:
         if sys.stdout is None:
             raise StdoutClosed
         try:
-            click.echo(text, nl=nl)
+            fd = sys.stdout.fileno()
+        except (AttributeError, OSError, ValueError):  # (a stream without a descriptor: a test's capture)
+            fd = None
+        try:
+            if fd is None:
+                click.echo(text, nl=nl)
+                return
+            # written to the descriptor until all of it is out: a buffered write that a reader closing
+            # the pipe cut short returned as if whole (JSON of 946 KB into `head -c 100`: exit 0)
+            sys.stdout.flush()
+            data = memoryview((text + "\n" * nl).encode(sys.stdout.encoding or "utf-8", sys.stdout.errors or "strict"))
+            while data:
+                try:
+                    data = data[os.write(fd, data):]
+                except BlockingIOError:  # (a descriptor left non-blocking by another program)
+                    select.select([], [fd], [])
         except BrokenPipeError as exc:
             raise StdoutClosed from exc
 

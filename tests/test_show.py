@@ -457,6 +457,20 @@ def test_data_written_with_click_to_a_closed_stdout_gives_the_broken_pipe_status
         assert process.stderr.read() == b"", args
 
 
+def test_a_reader_that_stops_early_in_large_data_gives_the_broken_pipe_status(tmp_path):
+    # one buffered write of the whole document, cut short by the reader, returned as if whole: exit 0
+    (tmp_path / "long.py").write_text("import jax.numpy as jnp\n\n\ndef long(x: 'f32[3]'):\n"
+                                      "    for i in range(300):\n        x = jnp.sin(x) * 1.001 + i\n    return x\n")
+    for args in (("show", "long.py:long", "--format", "json"), ("show", "long.py:long", "--format", "dot"),
+                 ("show", "long.py:long", "--stage", "stablehlo")):  # (700, 130 and 140 kB: more than a pipe holds)
+        process = subprocess.Popen([sys.executable, "-m", "jaxtool", *args], cwd=tmp_path,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert process.stdout.read(100)  # (of some hundred kilobytes)
+        process.stdout.close()
+        assert process.wait(timeout=120) == 141, args
+        assert process.stderr.read() == b"", args
+
+
 def test_an_unwritable_stderr_keeps_the_documented_exit_codes(tmp_path):
     # stderr closed behind a pyenv shim is descriptor 2 open for reading: writing the error failed (exit 1)
     (tmp_path / "loud.py").write_text("import os\n\n\ndef loud(x: 'f32[2]'):\n"
