@@ -149,7 +149,9 @@ def aval_bytes(aval) -> int:
     shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
     if shape is None or dtype is None:
         return 0
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    # (a JAX extended dtype, such as a typed PRNG key's ``key<fry>``, is no NumPy dtype but has an itemsize)
+    itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else np.dtype(dtype).itemsize
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
 
 
 def _alphabetic(n: int) -> str:

@@ -47,6 +47,15 @@ def mlp_example_args():
     return params, jax.ShapeDtypeStruct((5, 3), f32)
 
 
+def keyed(key, x):
+    """A typed PRNG key in and out (its dtype, key<fry>, is no NumPy dtype: show exited 70)."""
+    return jax.random.normal(key, x.shape) + x, jax.random.split(key)
+
+
+def keyed_example_args():
+    return jax.random.key(1), jnp.ones(3)
+
+
 def control(x):
     y = lax.cond(x[0] > 0, lambda v: v * 2.0, jnp.sin, x)
     total, ys = lax.scan(lambda c, xi: (c + xi, c * xi), 0.0, y)
@@ -415,6 +424,15 @@ def test_usage_errors():
     assert isinstance(result.exception, UsageError) and result.exception.exit_code == 2
     assert str(result.exception) == "--source and --vertices apply to --stage jaxpr only, not to the lowered " \
                                     "stablehlo module"
+
+
+def test_typed_prng_keys_are_shown_in_every_format():
+    for extra in ((), ("--format", "json"), ("--format", "dot"), ("--vertices", "--source")):
+        result = CliRunner().invoke(cli, ["show", target("keyed"), *extra])
+        assert result.exit_code == 0, (extra, result.output)
+    report = json.loads(CliRunner().invoke(cli, ["show", target("keyed"), "--format", "json"]).output)
+    assert report["inputs"][0]["dtype"] == "key<fry>" and report["inputs"][0]["bytes"] == 8
+    assert report["outputs"][1]["bytes"] == 16  # two keys
 
 
 def test_a_parameter_whose_repr_raises_is_shown_by_its_type():
