@@ -139,15 +139,24 @@ def _same_type(a, b) -> bool:
     return True
 
 
+#: a terminal colour code: JAX's printer colours types where stdout is a terminal, also in messages
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _plain(obj) -> str:
+    """``str(obj)`` without JAX's terminal colour codes (a report is data, coloured or not by jaxtool)."""
+    return _ANSI.sub("", str(obj))
+
+
 def _show(eqn) -> str:
     try:
-        return str(eqn)
+        return _plain(eqn)
     except Exception as exc:  # printing a malformed equation can fail anywhere inside JAX
         return f"<unprintable equation: {type(exc).__name__}: {exc}>"
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
+    text = _plain(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
@@ -528,7 +537,7 @@ def _check_jaxpr_failure(jaxpr) -> Problem | None:
     try:
         jcore.check_jaxpr(jaxpr)
     except Exception as exc:  # it raises TypeError/AttributeError too on malformed jaxprs
-        text = str(exc)
+        text = _plain(exc)
         head = text.strip().splitlines()[0] if text.strip() else ""
         message = head if isinstance(exc, jcore.JaxprTypeError) else \
             f"crashed with {type(exc).__name__}" + (f": {head}" if head else "")

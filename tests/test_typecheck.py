@@ -244,6 +244,30 @@ def test_messages_name_operand_types_and_the_definition():
     assert "1 operand(s) (f32[3]) but 2 jaxpr input(s)" in jt007.message
 
 
+def test_problems_carry_no_terminal_colour_codes():
+    # JAX's printer colours the types of an equation where stdout is a terminal: they were in the
+    # report, its JSON included, whatever --color and NO_COLOR said
+    import pty
+
+    for args in (("--color", "never", "typecheck"), ("typecheck", "--format", "json")):
+        master, slave = pty.openpty()
+        process = subprocess.Popen([sys.executable, "-m", "jaxtool", *args, f"{FIXTURES}/jaxprs.py:handmade"],
+                                   stdout=slave, stderr=subprocess.PIPE, env={**os.environ, "NO_COLOR": "1"})
+        os.close(slave)
+        output = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child has closed its end and everything has been read
+                break
+            if not chunk:
+                break
+            output += chunk
+        os.close(master)
+        assert process.wait(timeout=120) == 1 and b"JT005" in output, (args, output)
+        assert b"\x1b" not in output, (args, output)
+
+
 def test_problem_location_points_at_user_source_or_jaxpr_position():
     jaxpr, _ = wrong_result_type()
     [problem] = [p for p in check_jaxpr(jaxpr).problems if p.code == "JT005"]
