@@ -17,7 +17,8 @@ Problem codes:
 | JT004 | error    | a jaxpr output is not defined by an input, constant or earlier equation        |
 | JT005 | error    | an equation's declared result types differ from the primitive's abstract       |
 |       |          | evaluation of its operand types                                                |
-| JT006 | error    | a literal's value does not match its declared type (dtype or shape)            |
+| JT006 | error    | a literal's or a closed jaxpr's constant's value does not match its declared   |
+|       |          | type (dtype or shape)                                                          |
 | JT007 | error    | a nested call does not fit its jaxpr: operand/result counts or types of        |
 |       |          | ``jit``, ``cond`` branches, ``while`` cond/body, ``scan`` body, custom_jvp/vjp |
 | JT008 | error    | a primitive's abstract evaluation failed on the equation's operand types       |
@@ -196,25 +197,36 @@ def _nested(params) -> Iterator[tuple[str, object]]:
 
 def _literal_problem(literal) -> str | None:
     """Why a literal's value does not match its declared type, or ``None`` when it does."""
-    aval = getattr(literal, "aval", None)
+    return _value_problem(literal.val, getattr(literal, "aval", None), "literal")
+
+
+def _value_problem(value, aval, kind: str) -> str | None:
+    """Why a ``kind`` (literal, constant) value does not match its declared type ``aval``, or ``None``."""
     if not (hasattr(aval, "shape") and hasattr(aval, "dtype")):
-        return f"literal {literal.val!r} has no array type ({aval!r})"
+        return f"{kind} {value!r} has no array type ({aval!r})"
     try:
-        value, dtype = literal.val, np.dtype(aval.dtype)
+        dtype = np.dtype(aval.dtype)
     except TypeError:  # an extended dtype (PRNG keys): nothing to compare with
         return None
     if not hasattr(value, "dtype") and isinstance(value, (bool, int, float, complex)):
         # a plain Python scalar: check its kind only (bool is an int, so test it first)
-        kind = next(k for t, k in ((bool, "b"), (int, "iufc"), (float, "fc"), (complex, "c"))
-                    if isinstance(value, t))
-        if aval.shape != () or dtype.kind not in kind:
-            return f"literal {value!r} ({type(value).__name__}) does not match its type {_fmt(aval)}"
+        kinds = next(k for t, k in ((bool, "b"), (int, "iufc"), (float, "fc"), (complex, "c"))
+                     if isinstance(value, t))
+        if aval.shape != () or dtype.kind not in kinds:
+            return f"{kind} {value!r} ({type(value).__name__}) does not match its type {_fmt(aval)}"
         return None
     shape, vdtype = np.shape(value), getattr(value, "dtype", None)
-    if tuple(shape) != tuple(aval.shape) or vdtype is None or np.dtype(vdtype) != dtype:
+    if tuple(shape) != tuple(aval.shape) or vdtype is None or not _same_dtype(vdtype, dtype):
         got = ShapedArray(tuple(shape), vdtype) if vdtype is not None else type(value).__name__
-        return f"literal value {_fmt(got)} does not match its declared type {_fmt(aval)}"
+        return f"{kind} value {_fmt(got)} does not match its declared type {_fmt(aval)}"
     return None
+
+
+def _same_dtype(a, b) -> bool:
+    try:
+        return np.dtype(a) == np.dtype(b)
+    except TypeError:  # an extended dtype (a PRNG key's) where a NumPy one is declared
+        return False
 
 
 def _is_wide(aval) -> bool:
@@ -260,9 +272,12 @@ class _Checker:
 
     # -- jaxprs -------------------------------------------------------------------------------
 
-    def jaxpr(self, jaxpr: jcore.Jaxpr, where: str, loc=None, parent=None) -> None:
-        """Check one (open) jaxpr; a nested one's problems without an equation of their own are
-        reported at the enclosing equation ``parent`` and its location ``loc``."""
+    def jaxpr(self, jaxpr, where: str, loc=None, parent=None) -> None:
+        """Check one jaxpr (a closed one's constant values too); a nested one's problems without an
+        equation of their own are reported at the enclosing equation ``parent`` and its location ``loc``."""
+        if isinstance(jaxpr, jcore.ClosedJaxpr):
+            self.consts(jaxpr, where, loc, parent)
+            jaxpr = jaxpr.jaxpr
         bound: dict[int, str] = {}  # id(var) -> what binds it
         binders = [("constvar", v) for v in jaxpr.constvars] + [("input", v) for v in jaxpr.invars]
         later = self._binders_by_eqn(jaxpr)
@@ -297,6 +312,15 @@ class _Checker:
                 self.add("JT004", f"output {k} ({_fmt(atom.aval)}) is not defined by any input, "
                                   "constvar or equation of this jaxpr", where, loc, parent)
 
+    def consts(self, closed: jcore.ClosedJaxpr, where: str, loc=None, parent=None) -> None:
+        """A closed jaxpr's constant values against its constvars (evaluating it would fail, or
+        compute with values of other types)."""
+        # (as many values as constvars: ClosedJaxpr asserts that)
+        for i, (var, value) in enumerate(zip(closed.jaxpr.constvars, closed.consts)):
+            why = _value_problem(value, getattr(var, "aval", None), "constant")
+            if why:
+                self.add("JT006", f"constvar {i}: {why}", where, loc, parent)
+
     @staticmethod
     def _binders_by_eqn(jaxpr) -> dict[int, int]:
         """id(var) -> index of the (first) equation binding it."""
@@ -330,7 +354,7 @@ class _Checker:
         self.mapped_depth += mapped
         try:
             for label, sub in _nested(eqn.params):
-                self.jaxpr(_open(sub), f"{where}/{label}", loc, eqn)
+                self.jaxpr(sub, f"{where}/{label}", loc, eqn)
         finally:
             self.mapped_depth -= mapped
         for k, var in enumerate(eqn.outvars):
@@ -568,7 +592,7 @@ def check_jaxpr(jaxpr, *, warn_float64: bool = False) -> Report:
     if warn_float64 and wide:
         checker.add("W202", f"{len(wide)} input(s) or constant(s) are float64/complex128 although x64 was "
                             "not requested (does the program enable jax_enable_x64 itself?)", "<jaxpr>")
-    checker.jaxpr(top, "<jaxpr>")
+    checker.jaxpr(jaxpr, "<jaxpr>")
     return checker.report
 
 

@@ -223,6 +223,29 @@ def test_corrupted_jaxpr_is_reported_with_its_code(build):
     assert code in _codes(check_jaxpr(jcore.ClosedJaxpr(jaxpr, [])))
 
 
+def test_constant_values_of_closed_jaxprs_are_checked_against_their_constvars():
+    # evaluating such a jaxpr fails ("add got incompatible shapes"), and typecheck said ok
+    k = np.linspace(0.0, 1.0, 3).astype(np.float32)
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) + k)(jnp.ones(3))
+    assert closed.jaxpr.constvars and not _codes(check_jaxpr(closed))
+    for consts, code, message in [([np.zeros(4, np.float32)], "JT006", "constant value f32[4] does not match its "
+                                   "declared type f32[3]"),
+                                  ([k.astype(np.int32)], "JT006", "constant value i32[3] does not match"),
+                                  ([jax.random.key(0)], "JT006", "does not match its declared type f32[3]")]:
+        report = check_jaxpr(jcore.ClosedJaxpr(closed.jaxpr, consts))
+        assert [(p.code, p.where) for p in report.problems if p.code == code] == [(code, "<jaxpr>")]
+        assert any(message in p.message for p in report.problems), report.problems
+    # and in a nested closed jaxpr, at the equation that holds it
+    outer = jax.make_jaxpr(lambda x: jax.jit(lambda y: jnp.sin(y) + k)(x) * 2.0)(jnp.ones(3))
+    call = outer.jaxpr.eqns[0]
+    inner = call.params["jaxpr"]
+    if inner.jaxpr.constvars:  # (JAX may pass the constant in as an operand instead)
+        bad = jcore.ClosedJaxpr(inner.jaxpr, [np.zeros(4, np.float32)])
+        broken = outer.jaxpr.replace(eqns=[call.replace(params={**call.params, "jaxpr": bad}), *outer.jaxpr.eqns[1:]])
+        [problem] = [p for p in check_jaxpr(broken).problems if p.code == "JT006"]
+        assert problem.where == "<jaxpr>:eqn 0/jaxpr" and problem.primitive == call.primitive.name
+
+
 def test_check_jaxpr_failures_are_reported_as_jt001():
     # jax's own checker catches these; its complaint comes first, with the user's line
     for build in (undefined_variable, bound_twice, wrong_literal_type, jit_arity_mismatch, operand_not_an_atom):
