@@ -163,7 +163,8 @@ class _Dot:
 
     def eqn(self, eqn, indent: str) -> None:
         vertices = vertex_label(eqn.vertices)
-        folded = [f"{n.label}: {{ ... {n.num_eqns} eqns }}" for n in eqn.nested if n.view is None]
+        folded = [f"{n.label}: {{ ... {n.num_eqns} eqn{'s' * (n.num_eqns != 1)} }}" for n in eqn.nested
+                  if n.view is None]
         label = "\n".join([eqn.primitive] + ([vertices] if vertices else []) + folded)
         node_id = self.node(indent, self.fresh("e"), label, shape="box")
         for atom in eqn.invars:

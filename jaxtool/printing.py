@@ -315,7 +315,8 @@ def shown_params(primitive: str, params: dict) -> list:
 
 
 def count_primitives(jaxpr) -> Counter:
-    """Equations by primitive name, those of nested jaxprs included (a call counts once itself)."""
+    """Equations by primitive name, those of nested jaxprs included (a call counts once itself), of
+    a jaxpr or an inlined :class:`~jaxtool.graph.FlatProgram`."""
     counts = Counter()
     for eqn in _open(jaxpr).eqns:
         counts[eqn.primitive.name] += 1
@@ -637,9 +638,10 @@ def _ports(atoms, names) -> list:
     return ports
 
 
-def summarize(closed_jaxpr, view: JaxprView, *, in_names=None, out_names=None) -> Summary:
-    """Inputs and outputs (named by ``in_names``/``out_names`` when given) and equation counts."""
-    counts = count_primitives(closed_jaxpr)
+def summarize(program, view: JaxprView, *, in_names=None, out_names=None) -> Summary:
+    """Inputs and outputs (named by ``in_names``/``out_names`` when given) and the equation counts
+    of ``program``, a jaxpr or its inlined :class:`~jaxtool.graph.FlatProgram`."""
+    counts = count_primitives(program)
     ordered = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
     return Summary(inputs=_ports(view.invars, in_names), outputs=_ports(view.outvars, out_names),
                    counts=ordered, total=sum(counts.values()), num_vertices=view.num_vertices)

@@ -195,11 +195,14 @@ def test_depth_folds_nested_jaxprs():
     full = show(target("control"), "--no-summary")
     assert "sin" in full and "sqrt" in full and "{ ..." not in full
     folded = show(target("control"), "--depth", "0", "--no-summary")
+    folded_dot = show(target("control"), "--depth", "0", "--format", "dot")  # (it said "1 eqns")
     assert "sin" not in folded and "sqrt" not in folded
     for eqn in closed.jaxpr.eqns:
         for sub in jcore.jaxprs_in_params(eqn.params):
             n = sum(count_independently(sub).values())
             assert f"{{ ... {n} eqn{'' if n == 1 else 's'} }}" in folded
+            assert f"{{ ... {n} eqn{'' if n == 1 else 's'} }}" in folded_dot
+    assert "{ ... 1 eqn }" in folded_dot
     # depth 1: the outer jit body shows, the jit nested inside it folds
     one = show(target("control"), "--depth", "1", "--no-summary")
     assert "sin" in one and "sqrt" not in one and "jaxpr={ ... 3 eqns }" in one
@@ -270,6 +273,13 @@ def test_json_depth_and_inline():
     flat = json.loads(show(target("mlp"), "--format", "json", "--inline"))
     assert flat["inline"] and [e["vertices"] for e in flat["jaxpr"]["eqns"]] == [
         list(e.outvars) for e in flatten(jaxpr_of("mlp")).eqns]
+    # the summary counts the program printed: inlined, its calls are gone (it counted the jit of control)
+    inlined = json.loads(show(target("control"), "--format", "json", "--inline"))
+    printed = Counter(e["primitive"] for e in inlined["jaxpr"]["eqns"])
+    assert "jit" not in inlined["summary"]["by_primitive"] and "jit" not in printed
+    nested = sum(sum(count_independently(sub).values()) for e in flatten(jaxpr_of("control")).eqns
+                 for sub in jcore.jaxprs_in_params(e.params))
+    assert inlined["summary"]["equations"] == sum(printed.values()) + nested
 
 
 # ----------------------------------------------------------------------------- DOT

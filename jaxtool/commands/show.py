@@ -77,7 +77,8 @@ def command(settings, target, specs, static, inputs, seed, fmt, stage, with_sour
         view = printing.build_flat_view(program, depth=depth, source=want_source)
     else:
         view = printing.build_view(traced.closed_jaxpr, program=program, depth=depth, source=want_source)
-    summary = printing.summarize(traced.closed_jaxpr, view, in_names=traced.in_names, out_names=traced.out_names)
+    summary = printing.summarize(program if inline else traced.closed_jaxpr, view,  # (what is printed)
+                                 in_names=traced.in_names, out_names=traced.out_names)
 
     if fmt == "json":
         settings.emit(json.dumps(export.to_json(view, summary), indent=2))
