@@ -84,7 +84,8 @@ def trace(fn, args, *, names: list[str] | None = None, source_file: str | None =
 
     ``names`` are the argument names (default: from ``fn``'s signature). An exception raised
     by the user's code becomes a :class:`LoadError` located at the innermost frame in
-    ``source_file`` (default: the file defining ``fn``), else the innermost user frame.
+    ``source_file`` (default: the file defining ``fn``), else the innermost user frame; where
+    that is elsewhere (a sibling module, a library outside JAX), the message names it too.
     """
     import jax
 
@@ -96,6 +97,9 @@ def trace(fn, args, *, names: list[str] | None = None, source_file: str | None =
     except (Exception, SystemExit, GeneratorExit) as exc:  # (not KeyboardInterrupt)
         where = location_of_exception(exc, prefer=source_file or code_file(fn))
         message = exception_message(exc)
+        innermost = location_of_exception(exc)  # (a sibling module's line, where the target file calls one)
+        if where and innermost and innermost != where:
+            message += f" (via {innermost})"
         if "Non-hashable static arguments" in message:  # (a jit's static argument given an array)
             message += " (give a static argument of jax.jit with --static NAME=VALUE)"
         if where is None:

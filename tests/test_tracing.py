@@ -178,6 +178,17 @@ def test_location_of_exception_prefers_the_given_file():
     assert preferred.file_name.endswith("fx_sibling_main.py")
 
 
+def test_a_failing_trace_in_a_sibling_module_names_its_line_too(tmp_path):
+    # it was reported at the target file's call alone: the line that failed was not named
+    (tmp_path / "util.py").write_text("import jax.numpy as jnp\n\n\ndef bad(x):\n    return jnp.dot(x, jnp.ones(5))\n")
+    (tmp_path / "main.py").write_text("import util\n\n\ndef f(x: 'f32[3]'):\n    return util.bad(x)\n")
+    result = subprocess.run([sys.executable, "-m", "jaxtool", "show", "main.py:f"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_LOAD and result.stdout == ""
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: main.py:5: TypeError: dot_general") and line.endswith(" (via util.py:5)")
+
+
 def test_code_file_sees_through_wrappers():
     loaded = load_target(f"{BASIC}:static_fn", ["f32[2]"], static={"n": 1, "scale": 2.0})
     assert source.code_file(loaded.fn) == str(BASIC)
