@@ -96,7 +96,8 @@ class Problem:
 
     def to_dict(self, strict: bool = False) -> dict:
         return {"code": self.code, "severity": self.severity(strict), "message": self.message,
-                "file": self.file, "line": self.line, "col": self.col, "primitive": self.primitive,
+                "file": self.file, "line": self.line, "col": self.col if self.line is not None else None,
+                "primitive": self.primitive,
                 "equation": self.equation, "where": self.where}
 
 

@@ -495,6 +495,10 @@ def test_cli_json_format(capsys, in_repo):
     assert records[0]["primitive"] == "convert_element_type" and records[1]["primitive"] == "pure_callback"
     code, out, _ = _run(capsys, "--format", "json", "--strict", "tests/fixtures/typecheck/noisy.py:noisy", "f32[3]")
     assert code == 1 and {r["severity"] for r in json.loads(out)} == {"error"}
+    # a problem with no source (a hand-built jaxpr) has no column either (it said 1)
+    code, out, _ = _run(capsys, "--format", "json", "tests/fixtures/typecheck/jaxprs.py:handmade")
+    unlocated = [r for r in json.loads(out) if r["file"] is None]
+    assert code == 1 and unlocated and all(r["line"] is None and r["col"] is None for r in unlocated)
 
 
 def test_cli_github_format(capsys, in_repo):

@@ -31,7 +31,7 @@ from jaxtool.errors import UsageError
 @click.option("--inline", is_flag=True,
               help="Show the inlined program (jit/closed_call/remat bodies inlined), results named by vertex.")
 @click.option("--summary/--no-summary", "with_summary", default=True, show_default=True,
-              help="Follow the jaxpr with inputs, outputs and equation counts.")
+              help="Follow the jaxpr with inputs, outputs and equation counts (text; JSON always has them).")
 @click.pass_obj
 def command(settings, target, specs, static, inputs, seed, fmt, stage, with_source, vertices, depth, inline,
             with_summary):

@@ -186,7 +186,7 @@ def command(settings, target, specs, static, inputs, seed, strict, fmt):
     TARGET is a function (traced with SPECS such as f32[3,4], --inputs or its annotations),
     a ClosedJaxpr/Jaxpr object, or a zero-argument callable returning one. Codes: JT0xx
     malformed jaxprs, JT1xx annotation mismatches, W2xx warnings (down-casts, float64, host
-    callbacks), which are errors with --strict. Exit 0 when clean, 1 when problems are found.
+    callbacks), which are errors with --strict. Exit 1 when errors are found, else 0 (warnings alone).
     """
     settings.activate()
     import jax.extend.core as jcore
