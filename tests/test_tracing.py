@@ -127,6 +127,18 @@ def test_multiline_exception_is_one_line():
     assert "\n" not in message
     assert "TracerBoolConversionError" in message
     assert message.startswith(f"{os.path.relpath(__file__)}:")
+    assert message.endswith("if it comes from a parameter, such as a size or a flag, pass that with --static NAME=VALUE)")
+
+
+def test_a_traced_size_suggests_static(tmp_path):
+    # a default of numbers is an array argument: used as a shape, JAX's error named tracers and nothing else
+    (tmp_path / "sized.py").write_text("def f(x: 'f32[3]', shape=(1, 3)):\n    return x.reshape(shape)\n")
+    result = subprocess.run([sys.executable, "-m", "jaxtool", "show", "sized.py:f"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_LOAD and "pass that with --static NAME=VALUE)" in result.stderr
+    fixed = subprocess.run([sys.executable, "-m", "jaxtool", "show", "sized.py:f", "--static", "shape=(1,3)"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert fixed.returncode == 0 and "reshape" in fixed.stdout
 
 
 def test_error_without_user_frame_says_what_failed():
