@@ -127,7 +127,7 @@ def test_multiline_exception_is_one_line():
     assert "\n" not in message
     assert "TracerBoolConversionError" in message
     assert message.startswith(f"{os.path.relpath(__file__)}:")
-    assert message.endswith("if it comes from a parameter, such as a size or a flag, pass that with --static NAME=VALUE)")
+    assert message.endswith("such as a size or a flag, pass that with --static NAME=VALUE)")
 
 
 def test_a_traced_size_suggests_static(tmp_path):
