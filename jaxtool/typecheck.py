@@ -36,6 +36,8 @@ Warnings count as errors with ``strict=True``.
 
 from __future__ import annotations
 
+import ast
+import operator
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -610,7 +612,8 @@ class Annotation:
     """A parsed shape annotation: allowed dtype names, long or short (``None``: any), and dims.
 
     A dim is an ``int``, a name (bound consistently), ``"_"`` (any size), ``"..."`` (any number
-    of dims) or ``"*name"`` (any number of dims, bound consistently).
+    of dims), ``"*name"`` (any number of dims, bound consistently) or ``"=expr"`` (jaxtyping's
+    symbolic size, such as ``n+1``: checked once its names are bound).
     """
 
     text: str
@@ -654,7 +657,7 @@ def _jaxtyping_dim(token: str) -> int | str:
     jaxtyping writes ``name=4`` for a documented fixed size, ``#name`` for a dimension that may
     also be 1, ``*name`` for several dimensions, ``_name``/``?name`` for unchecked or per-leaf
     names (not bound here), ``...`` for any dimensions; anything else is a symbolic expression
-    (``dim+1``), which is not checked.
+    (``dim+1``), checked once every name it uses is bound (see :func:`_evaluate`).
     """
     if token == "...":
         return token
@@ -667,7 +670,32 @@ def _jaxtyping_dim(token: str) -> int | str:
         return "_" if "#" in prefix else int(rest)
     if rest.isidentifier():
         return "*" + rest if "*" in prefix else prefix + rest
-    return "..." if "*" in prefix else "_"
+    return "..." if "*" in prefix else "_" if "#" in prefix else "=" + rest
+
+
+#: the operations a symbolic size may use (jaxtyping's are Python expressions; these cover sizes)
+_OPERATIONS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+
+
+def _evaluate(expression: str, sizes: Mapping[str, int]) -> int | None:
+    """The value of a symbolic size (``n+1``, ``2*n``) for the bound ``sizes``; None where it uses
+    an unbound name or anything but integers, names and arithmetic."""
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name) and isinstance(sizes.get(node.id), int):
+            return sizes[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATIONS:
+            return _OPERATIONS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        raise ValueError(node)
+
+    try:
+        return value(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError):
+        return None
 
 
 def _dtype_names(dtype) -> set[str]:
@@ -683,6 +711,19 @@ class _Dims:
 
     def __init__(self):
         self.sizes: dict[str, tuple[object, str]] = {}
+        #: symbolic sizes met, checked once every dim is bound: ``(expression, size, the start of
+        #: the mismatch message)``
+        self.symbolic: list[tuple[str, int, str]] = []
+
+    def check_symbolic(self) -> list[tuple[str, str]]:
+        """JT101 for each symbolic size whose value, with the names bound, differs from the size."""
+        bound = {name: size for name, (size, _) in self.sizes.items()}
+        found = []
+        for expression, size, mismatch in self.symbolic:
+            expected = _evaluate(expression, bound)
+            if expected is not None and expected != size:
+                found.append(("JT101", f"{mismatch}: {expression} = {expected})"))
+        return found
 
     def bind(self, name: str, size, where: str) -> str | None:
         if name not in self.sizes:
@@ -725,6 +766,8 @@ def _shape_problems(ann: Annotation, aval, what: str, dims: _Dims) -> list[tuple
         if isinstance(want, int):
             if want != size:
                 mismatch(f"axis {axis}")
+        elif want.startswith("="):
+            dims.symbolic.append((want[1:], size, f"{what} is {_fmt(aval)} but annotated {ann.text} (axis {axis}"))
         elif want != "_" and not (want.startswith("#") and size == 1):  # '#name' broadcasts from 1
             why = dims.bind(want.lstrip("#"), size, f"{what} axis {axis}")
             if why:
@@ -813,6 +856,8 @@ def check_annotations(annotations: Mapping[str, object], arguments: Mapping[str,
                 leaf = f"{what[:-1]}{path}'" if what.endswith("'") else f"{what} out{path}"
                 found.extend(_shape_problems(leaf_ann, aval, leaf, dims))
         problems.extend(Problem(code, message, where=where, file=file, line=line) for code, message in found)
+    symbolic = dims.check_symbolic()
+    problems.extend(Problem(code, message, where=where, file=file, line=line) for code, message in symbolic)
     return problems
 
 

@@ -431,6 +431,21 @@ def test_jaxtyping_style_annotations():
     assert sorted(p.code for p in problems) == ["JT101", "JT102"]
 
 
+def test_symbolic_jaxtyping_sizes_are_checked_once_their_names_are_bound():
+    # "n+2" was not checked at all: a function returning n+1 elements passed
+    def like(dims: str):
+        return type("Annotated", (_JaxtypingLike,), {"dim_str": dims})
+
+    arguments = {"x": _avals(((4, 3), np.float32))}
+    for returned, dims, message in [((6,), "n+2", None), ((5,), "n+2", "(axis 0: n+2 = 6)"),
+                                    ((7, 2), "2*n-1 m-1", None), ((8, 2), "2*n-1 m-1", "(axis 0: 2*n-1 = 7)"),
+                                    ((5,), "k+1", None)]:  # (k is bound nowhere: not checked)
+        annotations = {"x": like("n m"), "return": like(dims)}
+        problems = check_annotations(annotations, arguments, _avals((returned, np.float32)))
+        assert [(p.code, p.message.endswith(message or "")) for p in problems] == ([("JT101", True)] if message else [])
+    assert parse_annotation(like("#n+1 *b+1")).dims == ("_", "...")  # broadcastable or variadic: not checked
+
+
 def test_real_jaxtyping_annotations():
     jaxtyping = pytest.importorskip("jaxtyping")
     ann = jaxtyping.Float[jax.Array, "batch dim"]
