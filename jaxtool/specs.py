@@ -205,8 +205,9 @@ def spec_of_annotation(annotation, namespace: dict | None = None):
     """The ``ShapeDtypeStruct`` (pytree) an annotation describes, or ``None`` (see :func:`resolve_annotation`).
 
     A jaxtyping annotation must have fixed sizes (``"3 4"``, not ``"batch 4"``) and gets the
-    default dtype of its kind (f32/f64 for ``Float``, i32/i64 for ``Int``, ...); otherwise
-    :class:`SpecError` says what is missing.
+    default dtype of its kind (f32/f64 for ``Float``, i32/i64 for ``Int``, ...), or where it
+    names none of those, the first dtype it names that JAX holds (``Float16``, ``Int8``);
+    otherwise :class:`SpecError` says what is missing.
     """
     resolved = resolve_annotation(annotation, namespace)
     return _jaxtyping_spec(resolved) if is_jaxtyping(resolved) else resolved
@@ -234,9 +235,24 @@ def _jaxtyping_spec(annotation):
     preferred = [default_float, default_int, jnp.dtype(jnp.uint32), jnp.dtype(bool), jnp.dtype(jnp.complex64)]
     names = set(dtypes)
     dtype = default_float if not names else next((d for d in preferred if d.name in names), None)
-    if dtype is None:
-        raise SpecError(f"annotation {annotation.__name__}: no default dtype among {', '.join(sorted(names))}")
+    if dtype is None:  # (Float16, Int8, Float32 under --x64: the first the annotation names that JAX holds)
+        named = [d for d in map(_known_dtype, dtypes) if d is not None]
+        dtype = next((d for d in named if jax.dtypes.canonicalize_dtype(d) == d), None)
+        if dtype is None:
+            wide = " (64-bit: pass --x64)" if named else ""
+            raise SpecError(f"annotation {annotation.__name__}: no dtype to draw inputs of among "
+                            f"{', '.join(sorted(names))}{wide}")
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _known_dtype(name: str):
+    """The dtype ``name`` names (a jaxtyping dtype name), or None where JAX has none of that name."""
+    import jax.numpy as jnp
+
+    try:
+        return jnp.dtype(name)
+    except TypeError:
+        return None
 
 
 def draw(tree, rng):

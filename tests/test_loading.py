@@ -382,6 +382,23 @@ def test_jaxtyping_annotations():
     assert callable_object.arg_names == ["x"] and callable_object.args[0].shape == (2,)
 
 
+def test_jaxtyping_annotations_of_other_dtypes_draw_one_of_them():
+    # Float16, Int8 (and Float32 under --x64) named no "default dtype": exit 2
+    from jaxtool.specs import spec_of_annotation
+
+    class Size3:
+        size, broadcastable = 3, False
+
+    def like(*dtypes):
+        return type("Annotated", (), {"dtypes": list(dtypes), "dims": (Size3(),), "dim_str": "3"})
+
+    for dtypes, expected in ((("float16",), jnp.float16), (("int8",), jnp.int8), (("bfloat16", "float16"), jnp.bfloat16),
+                             (("float32", "float16"), jnp.float32)):
+        assert spec_of_annotation(like(*dtypes)) == jax.ShapeDtypeStruct((3,), expected), dtypes
+    with pytest.raises(SpecError, match=r"no dtype to draw inputs of among float64 \(64-bit: pass --x64\)"):
+        spec_of_annotation(like("float64"))
+
+
 @pytest.mark.parametrize("name, fragment", [
     ("affine", "cannot infer inputs for parameter 'w' of affine; give a spec such as 'f32[3]'"),
     ("unannotated", "cannot infer inputs for parameter 'x' of unannotated"),
