@@ -392,8 +392,8 @@ def test_jaxtyping_annotations_of_other_dtypes_draw_one_of_them():
     def like(*dtypes):
         return type("Annotated", (), {"dtypes": list(dtypes), "dims": (Size3(),), "dim_str": "3"})
 
-    for dtypes, expected in ((("float16",), jnp.float16), (("int8",), jnp.int8), (("bfloat16", "float16"), jnp.bfloat16),
-                             (("float32", "float16"), jnp.float32)):
+    for dtypes, expected in ((("float16",), jnp.float16), (("int8",), jnp.int8),
+                             (("bfloat16", "float16"), jnp.bfloat16), (("float32", "float16"), jnp.float32)):
         assert spec_of_annotation(like(*dtypes)) == jax.ShapeDtypeStruct((3,), expected), dtypes
     with pytest.raises(SpecError, match=r"no dtype to draw inputs of among float64 \(64-bit: pass --x64\)"):
         spec_of_annotation(like("float64"))
