@@ -780,22 +780,27 @@ def _pytree_annotation(annotation):
     or a dict, list or tuple of ``ShapeDtypeStruct`` or spec strings, as ``(path, Annotation)``
     pairs in JAX's flattening order, paths as :func:`~jaxtool.tracing.format_path` writes them;
     None for anything else, or one with a leaf that is not a spec."""
-    from jaxtool.errors import SpecError
-    from jaxtool.specs import parse_spec
+    import json
+
     from jaxtool.tracing import format_path
 
     if isinstance(annotation, str):
         if annotation.strip()[:1] not in ("{", "["):
             return None
-        try:
-            annotation = parse_spec(annotation)
-        except SpecError:
+        try:  # (its leaves are spec strings, named dimensions allowed: not parse_spec's input specs)
+            annotation = json.loads(annotation)
+        except ValueError:
             return None
     if not isinstance(annotation, (dict, list, tuple)):
         return None
     flat = [(format_path(path), parse_annotation(leaf))
             for path, leaf in jax.tree_util.tree_flatten_with_path(annotation)[0]]
     return None if any(ann is None for _, ann in flat) else flat
+
+
+def is_shape_annotation(annotation) -> bool:
+    """Whether :func:`check_annotations` checks ``annotation``: an array or a pytree annotation."""
+    return parse_annotation(annotation) is not None or _pytree_annotation(annotation) is not None
 
 
 def _positional(path: str) -> str:
@@ -838,11 +843,13 @@ def check_annotations(annotations: Mapping[str, object], arguments: Mapping[str,
     if "return" in annotations:
         items.append(("return", results, "return value"))
     for param, leaves, what in items:
+        if not leaves:  # (None, or a --static parameter: nothing traced to compare)
+            continue
         text = annotations[param]
         annotated = _pytree_annotation(text)
         if annotated is None:
             ann = parse_annotation(text)
-            if ann is None or not leaves:
+            if ann is None:
                 continue
             text = ann.text
         found = []
@@ -862,4 +869,4 @@ def check_annotations(annotations: Mapping[str, object], arguments: Mapping[str,
 
 
 __all__ = ["Annotation", "HOST_CALLBACKS", "Problem", "Report", "check_annotations", "check_jaxpr",
-           "parse_annotation"]
+           "is_shape_annotation", "parse_annotation"]

@@ -403,6 +403,31 @@ def test_pytree_annotations_are_checked_leaf_by_leaf_and_by_structure():
                              _avals(((3,), np.float32), ((3,), np.float32)), paths=paths) == []
 
 
+def test_pytree_annotations_with_named_dimensions_are_checked():
+    # their leaves went through the parser of input specs, which refuses names: the annotation was skipped
+    annotations = {"p": '{"w": "f32[n,m]", "b": "f32[n]"}', "return": "f32[m]"}
+    paths = {"p": ['["b"]', '["w"]'], "return": [""]}
+    good = check_annotations(annotations, {"p": _avals(((2,), np.float32), ((2, 3), np.float32))},
+                             _avals(((3,), np.float32)), paths=paths)
+    bad = check_annotations(annotations, {"p": _avals(((5,), np.float32), ((2, 3), np.float32))},
+                            _avals(((3,), np.float32)), paths=paths)
+    assert good == [] and [p.message for p in bad] == [
+        "dimension 'n' is 2 in argument 'p[\"w\"]' axis 0 but 5 in argument 'p[\"b\"]' axis 0"]
+    # a parameter with no traced leaves (--static, None) is not compared, whatever its annotation
+    assert check_annotations({"shape": '["i32[]", "i32[]"]'}, {"shape": []}, []) == []
+
+
+def test_cli_checks_pytree_annotations_with_named_dimensions(capsys, tmp_path):
+    (tmp_path / "t.py").write_text(
+        "import jax.numpy as jnp\n\n\n"
+        "def f(p: '{\"w\": \"f32[n,4]\", \"b\": \"f32[n]\"}'):\n    return p['b'] * 2.0\n\n\n"
+        "def g(x: 'f32[3]', shape: '[\"i32[]\", \"i32[]\"]'):\n    return jnp.zeros(shape) + x.sum()\n")
+    code, out, _ = _run(capsys, f"{tmp_path}/t.py:f", '{"w": "f32[2,3]", "b": "f32[5]"}')
+    assert code == 1 and "JT102 dimension 'n'" in out and "annotated f32[n,4] (axis 1)" in out
+    code, out, _ = _run(capsys, f"{tmp_path}/t.py:g", "--static", "shape=(2,3)")  # (a false JT101 on shape)
+    assert (code, out) == (0, "")
+
+
 def test_named_dimension_inconsistent_across_arguments_and_outputs():
     annotations = {"x": "f32[n,4]", "y": "f32[n]", "return": "f32[*rest]"}
     arguments = {"x": _avals(((3, 4), np.float32)), "y": _avals(((5,), np.float32))}

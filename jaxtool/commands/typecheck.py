@@ -91,12 +91,13 @@ def _def_line(obj) -> int | None:
 
 def _annotations(loaded) -> dict:
     """The target's annotations: ``loaded.annotations``, except that spec strings naming
-    dimensions (``"f32[n,4]"``, which the loader cannot turn into shapes) are kept as written."""
+    dimensions (``"f32[n,4]"``, alone or in a JSON pytree spec, which the loader cannot turn into
+    shapes) are kept as written."""
     import ast
 
     from jaxtool.loading import annotations_apply
     from jaxtool.source import unwrap
-    from jaxtool.typecheck import parse_annotation
+    from jaxtool.typecheck import is_shape_annotation
 
     result = dict(loaded.annotations)
     if not annotations_apply(loaded.obj):
@@ -113,7 +114,7 @@ def _annotations(loaded) -> dict:
                 annotation = ast.literal_eval(annotation)
             except (ValueError, SyntaxError):
                 continue
-        if isinstance(annotation, str) and parse_annotation(annotation) is not None:
+        if isinstance(annotation, str) and is_shape_annotation(annotation):
             result[key] = annotation
     return result
 
