@@ -102,7 +102,8 @@ def trace(fn, args, *, names: list[str] | None = None, source_file: str | None =
             message += f" (via {innermost})"
         if "Non-hashable static arguments" in message:  # (a jit's static argument given an array)
             message += " (give a static argument of jax.jit with --static NAME=VALUE)"
-        elif isinstance(exc, jax.errors.ConcretizationTypeError) or "Tracer(" in message:
+        elif isinstance(exc, (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
+                              jax.errors.TracerArrayConversionError)) or "Tracer(" in message:
             # (a size or a flag that jaxtool traced: a parameter whose default is a tuple of numbers)
             message += " (a traced value was needed concrete: if it comes from a parameter, such as a size or " \
                        "a flag, pass that with --static NAME=VALUE)"

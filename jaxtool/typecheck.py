@@ -674,11 +674,11 @@ def _jaxtyping_dim(token: str) -> int | str:
 
 
 #: the operations a symbolic size may use (jaxtyping's are Python expressions; these cover sizes)
-_OPERATIONS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+_OPERATIONS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
                ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 
 
-def _evaluate(expression: str, sizes: Mapping[str, int]) -> int | None:
+def _evaluate(expression: str, sizes: Mapping[str, int]) -> int | float | None:
     """The value of a symbolic size (``n+1``, ``2*n``) for the bound ``sizes``; None where it uses
     an unbound name or anything but integers, names and arithmetic."""
     def value(node):

@@ -136,6 +136,11 @@ def test_a_traced_size_suggests_static(tmp_path):
     result = subprocess.run([sys.executable, "-m", "jaxtool", "show", "sized.py:f"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == EXIT_LOAD and "pass that with --static NAME=VALUE)" in result.stderr
+    (tmp_path / "power.py").write_text("def f(x: 'f32[3]', n: 'i32[]'):\n    for _ in range(n):\n"
+                                       "        x = x * x\n    return x\n")  # (TracerIntegerConversionError)
+    power = subprocess.run([sys.executable, "-m", "jaxtool", "show", "power.py:f"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert power.returncode == EXIT_LOAD and "pass that with --static NAME=VALUE)" in power.stderr
     fixed = subprocess.run([sys.executable, "-m", "jaxtool", "show", "sized.py:f", "--static", "shape=(1,3)"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert fixed.returncode == 0 and "reshape" in fixed.stdout

@@ -464,6 +464,7 @@ def test_symbolic_jaxtyping_sizes_are_checked_once_their_names_are_bound():
     arguments = {"x": _avals(((4, 3), np.float32))}
     for returned, dims, message in [((6,), "n+2", None), ((5,), "n+2", "(axis 0: n+2 = 6)"),
                                     ((7, 2), "2*n-1 m-1", None), ((8, 2), "2*n-1 m-1", "(axis 0: 2*n-1 = 7)"),
+                                    ((2,), "n/2", None), ((3,), "n/2", "(axis 0: n/2 = 2.0)"),
                                     ((5,), "k+1", None)]:  # (k is bound nowhere: not checked)
         annotations = {"x": like("n m"), "return": like(dims)}
         problems = check_annotations(annotations, arguments, _avals((returned, np.float32)))
