@@ -211,14 +211,30 @@ def _changed(path: str) -> bool:
     return path in _STAMPS and _STAMPS[path] != _stamp(path)
 
 
+@contextlib.contextmanager
+def _stamping_imports():
+    """Within: the files of the modules imported (a target's siblings) get their stamps, so that a
+    later load of one of them as a target sees an edit made since."""
+    before = set(sys.modules)
+    try:
+        yield
+    finally:
+        for name in set(sys.modules) - before:
+            path = getattr(sys.modules.get(name), "__file__", None)
+            if path and os.path.isfile(path):
+                _STAMPS.setdefault(os.path.abspath(path), _stamp(path))
+
+
 def _current(module: types.ModuleType, where: str) -> types.ModuleType:
-    """``module`` (imported by name), imported again where its file changed since jaxtool imported it."""
+    """``module`` (imported by name), imported again where its file changed since jaxtool first saw it."""
     path = getattr(module, "__file__", None)
     if not path or not os.path.isfile(path):
         return module
     path = os.path.abspath(path)
     if _changed(path):
-        with _import_errors(where, module.__name__):
+        with contextlib.suppress(OSError):  # its bytecode: an edit within the second, of the same size, passes
+            os.remove(importlib.util.cache_from_source(path))  # Python's check of it (mtime in seconds, size)
+        with _import_errors(where, module.__name__), _stamping_imports():
             module = importlib.reload(module)
     _STAMPS[path] = _stamp(path)
     return module
@@ -258,14 +274,17 @@ def _exec_file(path: str, stem: str, where: str) -> types.ModuleType:
         name = "_jaxtool_file_" + hashlib.sha1(path.encode()).hexdigest()[:12]
     existing = sys.modules.get(name)
     if existing is not None and _same_file(getattr(existing, "__file__", None), path) and not _changed(path):
+        _STAMPS.setdefault(path, _stamp(path))  # (imported otherwise: an edit from now on is seen)
         return existing
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     stamp = _stamp(path)  # (before running it: a change made while it runs is seen next time)
     try:
-        with _import_errors(where, name):
-            spec.loader.exec_module(module)
+        with _import_errors(where, name), _stamping_imports():
+            # compiled from the source, not from bytecode Python may have cached: its check (mtime in
+            # seconds, size) passes an edit of the same size within the second
+            exec(spec.loader.source_to_code(spec.loader.get_data(path), path), module.__dict__)
     except BaseException:
         if existing is not None:
             sys.modules[name] = existing
@@ -277,7 +296,7 @@ def _exec_file(path: str, stem: str, where: str) -> types.ModuleType:
 
 
 def _import_module(name: str, where: str) -> types.ModuleType:
-    with _import_errors(where, name):
+    with _import_errors(where, name), _stamping_imports():
         return importlib.import_module(name)
 
 

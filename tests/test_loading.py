@@ -589,6 +589,52 @@ def _edit(path: Path, text: str) -> None:
 
 
 @pytest.mark.parametrize("layout", ["file", "package file", "module name"])
+def test_an_edit_of_the_same_size_within_the_second_is_seen(tmp_path, monkeypatch, layout):
+    # Python's bytecode cache checks a source's mtime in whole seconds and its size: the old code ran
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    package = f"same_size_{layout.replace(' ', '_')}"
+    folder = tmp_path / package if layout != "file" else tmp_path
+    folder.mkdir(exist_ok=True)
+    if layout != "file":
+        (folder / "__init__.py").write_text("")
+    source = folder / f"{package}_model.py"
+    second = 1_700_000_000 * 10**9
+    source.write_text("def f(x):\n    return x * 2.0\n")
+    os.utime(source, ns=(second + 1000, second + 1000))
+    monkeypatch.chdir(tmp_path)
+    target = f"{package}.{source.stem}:f" if layout == "module name" else f"{source}:f"
+    try:
+        assert float(resolve(target)(1.0)) == 2.0
+        source.write_text("def f(x):\n    return x * 3.0\n")
+        os.utime(source, ns=(second + 2000, second + 2000))
+        assert float(resolve(target)(1.0)) == 3.0
+    finally:
+        for name in [m for m in sys.modules if m.startswith(package)]:
+            del sys.modules[name]
+        for entry in (str(tmp_path), str(folder)):
+            while entry in sys.path:
+                sys.path.remove(entry)
+
+
+def test_a_file_imported_as_a_sibling_is_seen_edited_when_loaded_itself(tmp_path):
+    # it stayed as first imported, however often it was edited and loaded
+    (tmp_path / "edited_sibling_helper.py").write_text("def h(x):\n    return x * 2.0\n")
+    (tmp_path / "edited_sibling_main.py").write_text("from edited_sibling_helper import h\n\n\n"
+                                                    "def f(x):\n    return h(x)\n")
+    try:
+        assert float(resolve(f"{tmp_path}/edited_sibling_main.py:f")(1.0)) == 2.0
+        for factor in (3.0, 4.0):
+            _edit(tmp_path / "edited_sibling_helper.py", f"def h(x):\n    return x * {factor}\n")
+            assert float(resolve(f"{tmp_path}/edited_sibling_helper.py:h")(1.0)) == factor
+        assert float(resolve(f"{tmp_path}/edited_sibling_main.py:f")(1.0)) == 2.0  # (its import, as Python has it)
+    finally:
+        for name in [m for m in sys.modules if m.startswith("edited_sibling")]:
+            del sys.modules[name]
+        while str(tmp_path) in sys.path:
+            sys.path.remove(str(tmp_path))
+
+
+@pytest.mark.parametrize("layout", ["file", "package file", "module name"])
 def test_a_load_after_an_edit_sees_the_edited_file(tmp_path, monkeypatch, layout):
     # jaxtool.load in a notebook, the file edited, jaxtool.load again: it returned the function as first imported
     package = f"edited_{layout.replace(' ', '_')}"
