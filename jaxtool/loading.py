@@ -313,7 +313,9 @@ def _import_errors(where: str, module_name: str):
         raise LoadError(f"{exception_message(exc)} (while importing {where})",
                         location=location_of_exception(exc)) from exc
     except SyntaxError as exc:
-        raise LoadError(f"{type(exc).__name__}: {exc.msg}", location=location_of_exception(exc)) from exc
+        elsewhere = exc.filename and os.path.isfile(where) and not _same_file(exc.filename, where)
+        raise LoadError(f"{type(exc).__name__}: {exc.msg}" + (f" (while importing {where})" if elsewhere else ""),
+                        location=location_of_exception(exc)) from exc
     except (Exception, SystemExit, GeneratorExit) as exc:  # (not KeyboardInterrupt)
         raise LoadError(f"{exception_message(exc)} (while importing {where})",
                         location=location_of_exception(exc)) from exc

@@ -518,6 +518,12 @@ def test_syntax_error_names_file_and_line(tmp_path, monkeypatch):
         load_target("fx_syntax_broken.py:f")
     assert str(info.value) == "fx_syntax_broken.py:5: SyntaxError: invalid syntax"
     assert "fx_syntax_broken" not in sys.modules
+    # in a module the target imports: which target that was (neither it nor its line was named)
+    (tmp_path / "fx_syntax_importer.py").write_text("import fx_syntax_broken\n\n\ndef f(x):\n    return x\n")
+    with pytest.raises(LoadError) as info:
+        load_target("fx_syntax_importer.py:f")
+    expected = "fx_syntax_broken.py:5: SyntaxError: invalid syntax (while importing fx_syntax_importer.py)"
+    assert str(info.value) == expected
 
 
 @pytest.mark.parametrize("raised", ["SystemExit(0)", "SystemExit('bye')", "GeneratorExit('x')"])
