@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -594,32 +595,39 @@ def _edit(path: Path, text: str) -> None:
     os.utime(path, ns=(before + 10**9, before + 10**9))
 
 
-@pytest.mark.parametrize("layout", ["file", "package file", "module name"])
-def test_an_edit_of_the_same_size_within_the_second_is_seen(tmp_path, monkeypatch, layout):
-    # Python's bytecode cache checks a source's mtime in whole seconds and its size: the old code ran
-    monkeypatch.setattr(sys, "dont_write_bytecode", False)
-    package = f"same_size_{layout.replace(' ', '_')}"
+@contextlib.contextmanager
+def _model(tmp_path, monkeypatch, prefix: str, layout: str):
+    """``(source, target)`` of a module laid out as ``layout`` (a plain file, a file in a package, or
+    named as a module) whose function ``f`` the test writes; what importing it left is removed after."""
+    package = f"{prefix}_{layout.replace(' ', '_')}"
     folder = tmp_path / package if layout != "file" else tmp_path
     folder.mkdir(exist_ok=True)
     if layout != "file":
         (folder / "__init__.py").write_text("")
     source = folder / f"{package}_model.py"
-    second = 1_700_000_000 * 10**9
-    source.write_text("def f(x):\n    return x * 2.0\n")
-    os.utime(source, ns=(second + 1000, second + 1000))
     monkeypatch.chdir(tmp_path)
-    target = f"{package}.{source.stem}:f" if layout == "module name" else f"{source}:f"
     try:
-        assert float(resolve(target)(1.0)) == 2.0
-        source.write_text("def f(x):\n    return x * 3.0\n")
-        os.utime(source, ns=(second + 2000, second + 2000))
-        assert float(resolve(target)(1.0)) == 3.0
+        yield source, f"{package}.{source.stem}:f" if layout == "module name" else f"{source}:f"
     finally:
         for name in [m for m in sys.modules if m.startswith(package)]:
             del sys.modules[name]
         for entry in (str(tmp_path), str(folder)):
             while entry in sys.path:
                 sys.path.remove(entry)
+
+
+@pytest.mark.parametrize("layout", ["file", "package file", "module name"])
+def test_an_edit_of_the_same_size_within_the_second_is_seen(tmp_path, monkeypatch, layout):
+    # Python's bytecode cache checks a source's mtime in whole seconds and its size: the old code ran
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    second = 1_700_000_000 * 10**9
+    with _model(tmp_path, monkeypatch, "same_size", layout) as (source, target):
+        source.write_text("def f(x):\n    return x * 2.0\n")
+        os.utime(source, ns=(second + 1000, second + 1000))
+        assert float(resolve(target)(1.0)) == 2.0
+        source.write_text("def f(x):\n    return x * 3.0\n")
+        os.utime(source, ns=(second + 2000, second + 2000))
+        assert float(resolve(target)(1.0)) == 3.0
 
 
 def test_a_file_imported_as_a_sibling_is_seen_edited_when_loaded_itself(tmp_path):
@@ -643,16 +651,8 @@ def test_a_file_imported_as_a_sibling_is_seen_edited_when_loaded_itself(tmp_path
 @pytest.mark.parametrize("layout", ["file", "package file", "module name"])
 def test_a_load_after_an_edit_sees_the_edited_file(tmp_path, monkeypatch, layout):
     # jaxtool.load in a notebook, the file edited, jaxtool.load again: it returned the function as first imported
-    package = f"edited_{layout.replace(' ', '_')}"
-    folder = tmp_path / package if layout != "file" else tmp_path
-    folder.mkdir(exist_ok=True)
-    if layout != "file":
-        (folder / "__init__.py").write_text("")
-    source = folder / f"{package}_model.py"
-    source.write_text("def f(x):\n    return x * 1.0\n")
-    monkeypatch.chdir(tmp_path)
-    target = f"{package}.{source.stem}:f" if layout == "module name" else f"{source}:f"
-    try:
+    with _model(tmp_path, monkeypatch, "edited", layout) as (source, target):
+        source.write_text("def f(x):\n    return x * 1.0\n")
         first = resolve(target)
         assert resolve(target) is first  # unchanged: the module imported before
         _edit(source, "def f(x):\n    return x * 2.0\n")  # (the same size)
@@ -661,9 +661,3 @@ def test_a_load_after_an_edit_sees_the_edited_file(tmp_path, monkeypatch, layout
         _edit(source, "def f(x):\n    return x *\n")  # an error in the edit: one line, as on a first import
         with pytest.raises(LoadError, match="SyntaxError"):
             resolve(target)
-    finally:
-        for name in [m for m in sys.modules if m.startswith(package)]:
-            del sys.modules[name]
-        for entry in (str(tmp_path), str(folder)):
-            while entry in sys.path:
-                sys.path.remove(entry)
