@@ -192,9 +192,15 @@ def run(problem: Problem, order) -> Cost:
             total += problem.graph.eliminate(v)
     for out in problem.outputs:
         for i in problem.wrt:
-            partial = None if isinstance(out, Const) else problem.graph.preds.get(out, {}).get(input_node(i))
+            partial = _block_partial(problem, out, i)
             total += Cost() if partial is None else partial.densify_cost()
     return total
+
+
+def _block_partial(problem: Problem, out, i: int):
+    """The partial from flat input ``i`` to output ``out`` (a graph node or a Const) once every
+    eliminable vertex is gone; None where there is none."""
+    return None if isinstance(out, Const) else problem.graph.preds.get(out, {}).get(input_node(i))
 
 
 def blocks(problem: Problem) -> list:
@@ -220,7 +226,7 @@ def _blocks(problem: Problem) -> list:
                 size = int(np.prod(in_aval.shape))
                 row.append(jnp.eye(size, dtype=dtype).reshape(shape))
                 continue
-            partial = None if isinstance(out, Const) else problem.graph.preds.get(out, {}).get(input_node(i))
+            partial = _block_partial(problem, out, i)
             if partial is None:
                 row.append(jnp.zeros(shape, dtype))
             elif jnp.issubdtype(dtype, jnp.complexfloating):  # (real, imaginary) on the axis after out.shape
