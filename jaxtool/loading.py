@@ -54,6 +54,11 @@ from jaxtool.specs import check_x64, draw, format_spec, parse_spec, parse_static
     spec_of_annotation
 
 
+#: How :func:`jaxtool.specs.draw` draws each kind of value, as the note on stderr says it.
+DRAWN_KINDS = {"floats": "floats from N(0,1)", "complex": "complex numbers with N(0,1) parts",
+               "integers": "integers from [0, 10)", "booleans": "booleans by coin flip"}
+
+
 @dataclass
 class Loaded:
     """A loaded target: a function of array arguments and the arguments to call it with."""
@@ -68,8 +73,8 @@ class Loaded:
     """The raw object the target names: a function, method, callable object, or jaxpr."""
     source_file: str | None
     """Absolute path of the file that defines the function (or of the target's module)."""
-    drawn: bool = False
-    """Whether some argument values were drawn at random (see the module docstring)."""
+    drawn: tuple = ()
+    """The kinds of argument values drawn at random, of :data:`DRAWN_KINDS` (see the module docstring)."""
     annotations: dict = field(default_factory=dict)
     """Parameter name (and ``"return"``) -> a ``ShapeDtypeStruct`` pytree parsed from a spec annotation, or the
     jaxtyping annotation itself."""
@@ -81,7 +86,12 @@ class Loaded:
 
     def notes(self, seed: int) -> list[str]:
         """The notes a command prints on stderr about where the argument values came from."""
-        found = [f"note: inputs drawn from N(0,1) with seed {seed}"] if self.drawn else []
+        if self.drawn == ("floats",):
+            found = [f"note: inputs drawn from N(0,1) with seed {seed}"]
+        elif self.drawn:
+            found = [f"note: inputs drawn with seed {seed}: " + ", ".join(DRAWN_KINDS[k] for k in self.drawn)]
+        else:
+            found = []
         if self.narrowed:
             found.append(f"note: --inputs {', '.join(self.narrowed)} taken at 32 bits: 64-bit mode is off "
                          "(pass --x64 to keep 64 bits)")
@@ -559,15 +569,16 @@ def _realize(values, rng, concrete: bool):
     import jax.numpy as jnp
     import numpy as np
 
-    drawn = False
+    drawn = set()
 
     def leaf(x):
-        nonlocal drawn
         if isinstance(x, jax.ShapeDtypeStruct):
             check_x64(x.dtype, format_spec(x))
             if not concrete:
                 return x
-            drawn = True
+            dtype = jnp.dtype(x.dtype)
+            drawn.add("booleans" if dtype == bool else "integers" if jnp.issubdtype(dtype, jnp.integer)
+                      else "complex" if jnp.issubdtype(dtype, jnp.complexfloating) else "floats")
             try:
                 return draw(x, rng)
             except (ValueError, MemoryError) as exc:  # a shape numpy cannot allocate
@@ -576,7 +587,8 @@ def _realize(values, rng, concrete: bool):
             return jnp.asarray(x)
         return x
 
-    return [jax.tree_util.tree_map(leaf, value) for value in values], drawn
+    realized = [jax.tree_util.tree_map(leaf, value) for value in values]
+    return realized, tuple(k for k in DRAWN_KINDS if k in drawn)
 
 
 def _read_inputs(path, specs: list) -> tuple[list, tuple]:

@@ -6,6 +6,7 @@ No JAX import at module level; :meth:`Settings.activate` imports and configures 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import select
 import sys
@@ -37,11 +38,12 @@ class Settings:
         """A rich console for stdout (data) or stderr (diagnostics) honouring the colour setting."""
         from rich.console import Console
 
-        if not stderr and sys.stdout is None:  # (None where descriptor 1 was closed when Python started)
-            raise StdoutClosed
         color = self.use_color if not stderr else (self.color != "never" and not os.environ.get("NO_COLOR")
                                                    and (self.color == "always" or sys.stderr.isatty()))
-        console = Console(file=sys.stderr if stderr else sys.stdout, force_terminal=color, no_color=not color,
+        # (sys.stdout is None where descriptor 1 was closed when Python started: a command that has no
+        # data to print, as typecheck of a correct program, still says its verdict on stderr)
+        out = sys.stderr if stderr else _ClosedStdout() if sys.stdout is None else sys.stdout
+        console = Console(file=out, force_terminal=color, no_color=not color,
                           highlight=False, soft_wrap=True, width=None if color else 200)
         console.on_broken_pipe = _broken_pipe  # (rich's own handler exits with status 1, "check failed")
         return console
@@ -126,6 +128,15 @@ class Settings:
             jax.config.update("jax_default_device", devices[0])
         elif self.backend == "cpu":
             jax.config.update("jax_default_device", jax.devices("cpu")[0])
+
+
+class _ClosedStdout(io.TextIOBase):
+    """The stdout of a process started with descriptor 1 closed: writing any text is :class:`StdoutClosed`."""
+
+    def write(self, text: str) -> int:
+        if text:
+            raise StdoutClosed
+        return 0
 
 
 def _broken_pipe() -> None:

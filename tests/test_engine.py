@@ -402,6 +402,19 @@ def test_infinite_partials_where_a_selection_selects_nothing_stay_zero():
             np.testing.assert_allclose(jaxtool.jacve(f, order=order)(X), want, rtol=1e-5, atol=1e-6)
 
 
+def test_the_order_dependent_nan_conventions_are_as_the_readme_says():
+    # README "Non-finite local partials": entries with no path whose value depends on the order
+    cumsum = lambda v: jnp.cumsum(jnp.sqrt(v)[::-1])[:1]  # noqa: E731
+    x = jnp.array([0.0, 1.2, 4.0])
+    assert np.isnan(jaxtool.jacve(cumsum, order="rev")(x)[0, 0]) and np.isnan(jax.jacrev(cumsum)(x)[0, 0])
+    assert jaxtool.jacve(cumsum, order="fwd")(x)[0, 0] == 0 == jax.jacfwd(cumsum)(x)[0, 0]
+    cdf = lambda a: jax.scipy.stats.truncnorm.cdf(jnp.array([0.5, 3.0]), a, jnp.ones(2))  # noqa: E731
+    a = -jnp.ones(2)
+    assert jax.jacrev(cdf)(a)[1, 0] == 0 == jax.jacfwd(cdf)(a)[1, 0]
+    assert [bool(np.isnan(jaxtool.jacve(cdf, order=o)(a)[1, 0])) for o in ("fwd", "rev", "markowitz")] == \
+        [False, False, True]
+
+
 def test_reduce_precision_follows_its_jvp_rule():
     # JAX differentiates lax.reduce_precision as the identity in forward mode, but jax.jacrev rounds
     # the cotangent as well: the two disagree by the rounding, and jaxtool gives jacfwd's exact ones

@@ -226,6 +226,16 @@ def test_drawn_inputs_are_noted_and_seeded(capsys, tmp_path):
     assert code == 0 and "drawn" not in err  # example arguments: nothing drawn
 
 
+def test_the_note_on_drawn_inputs_names_each_kind_drawn(capsys, tmp_path, monkeypatch):
+    # it said "drawn from N(0,1)" for integer and boolean arguments too
+    (tmp_path / "kinds.py").write_text("import jax.numpy as jnp\n\n\ndef g(x, n, b):\n"
+                                       "    return jnp.where(b, x * n, x)\n")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = jac(capsys, "kinds.py:g", "f32[3]", "i32[3]", "bool[3]")
+    assert code == 0, err
+    assert "note: inputs drawn with seed 0: floats from N(0,1), integers from [0, 10), booleans by coin flip" in err
+
+
 # ------------------------------------------------------------------------------------- output
 
 
@@ -394,6 +404,18 @@ def test_a_narrower_input_is_checked_at_its_own_tolerance(capsys, tmp_path, monk
     code, out, err = jac(capsys, "mixed.py:g", "f64[3]", "f64[3]", "--argnums", "all", "--check",
                          global_args=("--x64",))
     assert code == 0 and "check passed (rtol 1e-10, atol 1e-10)" in out, out + err
+
+
+def test_a_reduce_precision_widens_the_default_tolerances_to_its_rounding(capsys, tmp_path, monkeypatch):
+    # 3 mantissa bits: jax.jacfwd rounds its tangent 1.1 to 1.125 (2.2% relative), beyond float16's
+    # default 1e-2 (exit 1 before); the default is now at least that rounding, 2 ** -(3 + 1)
+    (tmp_path / "rounded.py").write_text(
+        "from jax import lax\n\n\ndef g(x):\n    return lax.reduce_precision(1.1 * x, 5, 3)\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = jac(capsys, "rounded.py:g", "f32[1]", "--check")
+    assert code == 0, out + err
+    assert re.search(r"^check vs jax\.jacfwd: max abs error 0\.025, max rel error 0\.0222  ok$", out, re.M)
+    assert "check passed (rtol 0.0625, atol 0.0625)" in out
 
 
 def test_complex_output_checks_against_jacfwd(capsys, tmp_path):

@@ -485,6 +485,15 @@ def test_data_written_with_click_to_a_closed_stdout_gives_the_broken_pipe_status
         assert process.stderr.read() == b"", args
 
 
+def test_a_command_with_no_data_for_a_closed_stdout_still_gives_its_verdict(tmp_path):
+    # typecheck of a correct program writes nothing on stdout: with stdout closed from the start it
+    # exited 141 and its verdict on stderr was lost
+    (tmp_path / "vec.py").write_text("def vec(x: 'f32[2]'):\n    return x * 2\n")
+    command = ["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "jaxtool", "typecheck", "vec.py:vec"]
+    process = subprocess.run(command, cwd=tmp_path, stderr=subprocess.PIPE, timeout=120)
+    assert process.returncode == 0 and b"ok: no problems in vec" in process.stderr
+
+
 def test_a_reader_that_stops_early_in_large_data_gives_the_broken_pipe_status(tmp_path):
     # one buffered write of the whole document, cut short by the reader, returned as if whole: exit 0
     (tmp_path / "long.py").write_text("import jax.numpy as jnp\n\n\ndef long(x: 'f32[3]'):\n"

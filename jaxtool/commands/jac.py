@@ -56,9 +56,11 @@ class Tolerance(click.ParamType):
 @click.option("--check", is_flag=True,
               help="Recompute with jax.jacrev and jax.jacfwd; exit 1 if either differs beyond the tolerances.")
 @click.option("--rtol", type=Tolerance(), default=None, metavar="TOL",
-              help="Relative tolerance of --check [default: 1e-4 for float32, 1e-10 for float64].")
+              help="Relative tolerance of --check [default: 1e-4 for float32, 1e-10 for float64, "
+                   "1e-2 for float16/bfloat16; see the README].")
 @click.option("--atol", type=Tolerance(), default=None, metavar="TOL",
-              help="Absolute tolerance of --check [default: 1e-5 for float32, 1e-10 for float64].")
+              help="Absolute tolerance of --check [default: 1e-5 for float32, 1e-10 for float64, "
+                   "1e-2 for float16/bfloat16; see the README].")
 @click.option("--save", metavar="FILE.npz",
               help="Save the blocks as arrays jac_I_J (output leaf I, differentiated leaf J), shaped as jax.jacrev's.")
 @click.option("--spy", is_flag=True, help="Draw the sparsity pattern of every block.")
@@ -255,6 +257,12 @@ def _check(fn, traced, leaves, wrt, blocks, rtol, atol):
                    + [tangent_dtype(traced.in_avals[k]).itemsize for k in wrt]
                    + _computed_itemsizes(traced.closed_jaxpr.jaxpr))
     default_rtol, default_atol = DEFAULT_TOLERANCES.get(itemsize, DEFAULT_TOLERANCES[4])
+    # a reduce_precision to m mantissa bits rounds jax.jacrev's cotangents (jax.jacfwd's tangents)
+    # by up to 2**-(m + 1) relative; float16/bfloat16's default covers m >= 7
+    mantissas = _reduced_mantissas(traced.closed_jaxpr.jaxpr)
+    if mantissas:
+        rounding = 2.0 ** -(min(mantissas) + 1)
+        default_rtol, default_atol = max(default_rtol, rounding), max(default_atol, rounding)
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
 
@@ -301,6 +309,17 @@ def _computed_itemsizes(jaxpr) -> list:
         for _, _, sub in subjaxprs(eqn.params):
             sizes += _computed_itemsizes(sub)
     return sizes
+
+
+def _reduced_mantissas(jaxpr) -> list:
+    """The mantissa bits of every ``reduce_precision`` in ``jaxpr`` and the jaxprs in it."""
+    from jaxtool.printing import subjaxprs
+
+    bits = [eqn.params["mantissa_bits"] for eqn in jaxpr.eqns if eqn.primitive.name == "reduce_precision"]
+    for eqn in jaxpr.eqns:
+        for _, _, sub in subjaxprs(eqn.params):
+            bits += _reduced_mantissas(sub)
+    return bits
 
 
 def _errors(ours, reference, rtol: float, atol: float):
