@@ -149,6 +149,8 @@ def load_target(target, specs=(), *, inputs=None, seed: int = 0, static=None, co
         values = [parse_spec(s) if isinstance(s, str) else s for s in specs]
         if inputs is not None:
             values, narrowed = _read_inputs(inputs, values)
+            if not specs:
+                _refuse_pytree_parameters(resolved, positional[:len(values)], namespace, inputs)
         given = (f"{_plural(len(values), 'spec')} {'was' if len(values) == 1 else 'were'} given" if specs
                  else f"--inputs has {_plural(len(values), 'array')}")
         _check_count(len(values), positional, varargs, resolved.name, given)
@@ -386,8 +388,16 @@ def _as_function(resolved: _Resolved) -> Callable:
         obj = jex.ClosedJaxpr(obj, [])
     if isinstance(obj, jex.ClosedJaxpr):
         run = jex.jaxpr_as_fun(obj)
+        avals = obj.in_avals
 
         def jaxpr_fn(*args):
+            # (evaluating a jaxpr at other shapes can run, as an elementwise one does: its types are fixed)
+            given = [jax.typeof(x) for x in args]
+            wrong = [f"arg{i} is {format_spec(x)} but the jaxpr takes {format_spec(aval)}"
+                     for i, (x, aval) in enumerate(zip(given, avals))
+                     if hasattr(aval, "shape") and (x.shape, x.dtype) != (aval.shape, aval.dtype)]
+            if wrong:
+                raise UsageError(f"{resolved.name} is a jaxpr: {'; '.join(wrong)}")
             return run(*args)
 
         jaxpr_fn.__name__ = jaxpr_fn.__qualname__ = resolved.name.rsplit(".", 1)[-1]
@@ -516,6 +526,27 @@ def _example_args(resolved: _Resolved):
             raise UsageError(f"{label} must be a tuple of example arguments, not {type(value).__name__}")
         return list(value), label
     return None
+
+
+def _refuse_pytree_parameters(resolved: _Resolved, positional, namespace: dict, path) -> None:
+    """:class:`UsageError` where the target's example arguments, or else the annotation, make one of
+    the ``positional`` parameters that ``--inputs`` gives a plain array a pytree (a dict of arrays):
+    the user's code would fail on the array, far from the cause."""
+    import jax
+
+    example = _example_args(resolved)
+    for n, param in enumerate(positional):
+        if example is not None:
+            value, label = (example[0][n] if n < len(example[0]) else None), example[1]
+        else:
+            try:
+                value = spec_of_annotation(param.annotation, namespace) if param.annotation is not param.empty else None
+            except SpecError:
+                value = None
+            label = "its annotation"
+        if value is not None and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
+            raise UsageError(f"--inputs {path}: parameter {param.name!r} is a pytree in {label} "
+                             f"({type(value).__name__}); --inputs supports plain array arguments only")
 
 
 def _is_array_like(value) -> bool:

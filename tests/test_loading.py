@@ -260,6 +260,10 @@ def test_jaxpr_target_is_a_function_of_its_inputs():
     assert loaded.drawn
     x, y = loaded.args
     np.testing.assert_allclose(loaded.fn(x, y)[0], np.sin(np.asarray(x)) * np.asarray(y), rtol=1e-6)
+    # specs of other types are refused: an elementwise jaxpr evaluated at f32[5] ran, typed f32[3]
+    mismatched = load_target(f"{BASIC}:a_jaxpr", ["f32[5]", "f32[2]"])
+    with pytest.raises(UsageError, match=re.escape("a_jaxpr is a jaxpr: arg0 is f32[5] but the jaxpr takes f32[2]")):
+        trace(mismatched.fn, mismatched.args)
 
 
 # --- specs and static arguments -------------------------------------------------------------------
@@ -425,6 +429,20 @@ def test_inputs_npz(tmp_path):
         np.testing.assert_array_equal(got, want)
     checked = load_target(f"{BASIC}:affine", ["f32[3,2]", "f32[2]", "f32[4,3]"], inputs=str(path))
     np.testing.assert_array_equal(checked.args[2], x)
+
+
+def test_inputs_for_a_pytree_parameter_are_refused_naming_it(tmp_path):
+    # the dict parameter got a plain array and the user's code failed on it: "JAX does not support
+    # string indexing" at its own line, exit 3
+    (tmp_path / "tree.py").write_text(
+        "import jax.numpy as jnp\n\n\ndef loss(params, x):\n    return jnp.sum(params['w'] * x)\n\n\n"
+        "def loss_example_args():\n    return {'w': jnp.ones(3)}, jnp.ones(3)\n\n\n"
+        "def noted(params: '{\"w\": \"f32[3]\"}', x: 'f32[3]'):\n    return jnp.sum(params['w'] * x)\n")
+    np.savez(tmp_path / "in.npz", arg0=np.ones(3, np.float32), arg1=np.ones(3, np.float32))
+    for name, where in (("loss", "loss_example_args() (dict)"), ("noted", "its annotation (dict)")):
+        with pytest.raises(UsageError, match=re.escape(f"parameter 'params' is a pytree in {where}; --inputs "
+                                                       "supports plain array arguments only")):
+            load_target(f"{tmp_path / 'tree.py'}:{name}", inputs=str(tmp_path / "in.npz"))
 
 
 def test_inputs_narrowed_by_32_bit_mode_are_noted(tmp_path):

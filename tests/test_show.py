@@ -190,6 +190,14 @@ def test_source_points_at_this_file():
     assert "test_show.py" not in show(target("mlp"), "--no-summary")
 
 
+def test_inlined_equations_of_a_library_jit_take_the_line_of_its_call():
+    # jnp.where's select_n is inside a jit of JAX's with no user frame: it had no source when inlined
+    sample = Path(__file__).parent.parent / "sample_programs" / "branches.py"
+    text = show(f"{sample}:piecewise", "--inline", "--source", "--no-summary")
+    [row] = [row for row in text.splitlines() if "= select_n" in row]
+    assert re.search(r"# \S*branches\.py:18  a = jnp\.where\(x > 0, x \* y, -x\)$", row), row
+
+
 def test_depth_folds_nested_jaxprs():
     closed = jaxpr_of("control")
     full = show(target("control"), "--no-summary")
@@ -434,6 +442,10 @@ def test_usage_errors():
     assert isinstance(result.exception, UsageError) and result.exception.exit_code == 2
     assert str(result.exception) == "--source and --vertices apply to --stage jaxpr only, not to the lowered " \
                                     "stablehlo module"
+    for extra in (("--format", "json"), ("--format", "dot"), ("--stage", "hlo")):  # (silently ignored before)
+        result = CliRunner().invoke(cli, ["show", target("tiny"), "--no-summary", *extra])
+        assert isinstance(result.exception, UsageError) and "--summary/--no-summary apply to the text" in \
+            str(result.exception), extra
 
 
 def test_typed_prng_keys_are_shown_in_every_format():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import click
+from click.core import ParameterSource
 
 from jaxtool.errors import UsageError
 
@@ -54,6 +55,10 @@ def command(settings, target, specs, static, inputs, seed, fmt, stage, with_sour
     if jaxpr_only and stage != "jaxpr":
         raise UsageError(f"{' and '.join(jaxpr_only)} {'apply' if len(jaxpr_only) > 1 else 'applies'} to "
                          f"--stage jaxpr only, not to the lowered {stage} module")
+    given = click.get_current_context().get_parameter_source("with_summary") is ParameterSource.COMMANDLINE
+    if given and (fmt != "text" or stage != "jaxpr"):
+        raise UsageError("--summary/--no-summary apply to the text of --stage jaxpr only (its JSON always has "
+                         "the summary, as data)")
     settings.activate(require_device=stage == "jaxpr")
 
     from jaxtool.loading import load_target
