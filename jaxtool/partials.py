@@ -569,6 +569,8 @@ def _densify_forward(x: Linear, n_in: int, n_out: int) -> bool:
     (``fn_t`` of ``n_out`` basis cotangents): the cheaper of applications times basis vectors
     (:func:`_applications`), the smaller basis where they tie."""
     by_columns = n_in <= n_out
+    if not n_in or not n_out:  # a block of no entries: no application either way
+        return by_columns
     first = _applications(x, by_columns)
     basis, other_basis = (n_in, n_out) if by_columns else (n_out, n_in)
     bound = first * basis // other_basis

@@ -1485,6 +1485,20 @@ def test_zero_size_values_broadcast_against_size_one_values():
                              jax.jacrev(f, argnums=(0, 1))(*args), rtol=1e-6, atol=1e-7)
 
 
+def test_zero_size_partials_of_loops_are_densified():
+    # a scan or loop partial with no entries, not itself an output, divided by its zero basis size
+    # when choosing how to densify (ZeroDivisionError in every order); the same broke jacve(jacve(f))
+    x = np.zeros((0,), np.float32)
+    scanned = lambda v: lax.scan(lambda c, t: (c, jnp.sin(t)), 0.0, v)[1] * 2.0  # noqa: E731
+    looped = lambda v: jnp.sin(lax.fori_loop(0, 2, lambda i, c: jnp.sin(c), jnp.cos(v)))  # noqa: E731
+    carried = lambda v: lax.scan(lambda c, t: (c + t, c * t), 0.0, v)  # noqa: E731
+    for order in ("fwd", "rev", "markowitz"):
+        assert jaxtool.jacve(scanned, order=order)(x).shape == (0, 0)
+        assert jaxtool.jacve(looped, order=order)(x).shape == (0, 0)
+        assert_same_jacobian(jaxtool.jacve(jaxtool.jacve(carried, order=order), order=order)(x),
+                             jax.hessian(carried)(x), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("lhs_shape, rhs_shape, dimension_numbers", [
     ((4, 4), (4, 4), (((1,), (0,)), ((), ()))),  # a small matrix product: fused multiply-and-sum
     ((3, 2, 5), (3, 5, 4), (((2,), (1,)), ((0,), (0,)))),  # batched
