@@ -876,6 +876,29 @@ def test_a_while_loop_read_through_a_dense_partial():
         assert_orders_match(f, (a,), 0, want, lambda p: ["fwd", "rev", "markowitz"], rtol=1e-4, atol=1e-5)
 
 
+def test_derivatives_of_the_jacobian_of_a_custom_vjp_function_differentiate_its_forward_rule():
+    # as jax.jacrev's Jacobian does: jax.jacfwd(jacve(f)) raised "can't apply forward-mode autodiff
+    # (jvp) to a custom_vjp function", and jacve(jacve(f)) applied the custom rule twice: a
+    # straight-through round's second derivative was 2, not 1
+    @jax.custom_vjp
+    def ste_round(x):
+        return jnp.round(x)
+
+    ste_round.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+
+    @jax.custom_gradient
+    def doubled_sin(x):
+        return jnp.sin(x), lambda g: 2.0 * g * jnp.cos(x)
+
+    x = jnp.array([0.3, 1.6])
+    for f in (lambda v: ste_round(v) * v, lambda v: doubled_sin(v) * v):
+        want = jax.hessian(f)(x)
+        for order in ("fwd", "rev", "markowitz"):
+            jacobian = jaxtool.jacve(f, order=order)
+            for second in (jaxtool.jacve(jacobian, order=order), jax.jacrev(jacobian), jax.jacfwd(jacobian)):
+                np.testing.assert_allclose(second(x), want, rtol=1e-5, atol=1e-6)
+
+
 def test_custom_vjp_functions_inside_control_flow():
     # JAX's JVP of a cond or scan around a custom_vjp function traces, but raises once batched (as
     # densification batches it): a raw TypeError in every order before; now the equation's VJP
