@@ -11,6 +11,11 @@ from __future__ import annotations
 # it has lived in jax._src.lax.lax since JAX 0.4.36. Used by jaxtool.rules to register its rule.
 from jax._src.lax.lax import split_p  # noqa: E402
 
+# `stack_p` and `unstack_p` (what jnp.stack and jnp.unstack emit since JAX 0.10) are not re-exported
+# by jax.extend.core.primitives either (checked up to JAX 0.12); they live in jax._src.lax.lax. Used
+# by jaxtool.rules to register them as selections, and by jaxtool.graph to fold integer stacks.
+from jax._src.lax.lax import stack_p, unstack_p  # noqa: E402
+
 # --- weakly typed arrays ------------------------------------------------------------------------
 # jax.jacrev returns a weakly typed block for a weakly typed input (a Python float, or a value made
 # from one), which later promotion follows (times a bfloat16 array: bfloat16). JAX 0.10.2 has no

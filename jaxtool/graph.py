@@ -294,6 +294,7 @@ NUMPY_RULES = {
     "squeeze": lambda x, *, dimensions: np.squeeze(x, dimensions),
     "transpose": lambda x, *, permutation: np.transpose(x, permutation),
     "concatenate": lambda *xs, dimension: np.concatenate(xs, dimension),
+    "stack": lambda *xs, axis: np.stack(xs, axis),
     "slice": lambda x, *, start_indices, limit_indices, strides: x[tuple(
         slice(a, b, c) for a, b, c in zip(start_indices, limit_indices, strides or (1,) * np.ndim(x)))],
     "copy": lambda x: x,

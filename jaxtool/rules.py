@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import primitives as P
 
-from jaxtool._compat import split_p
+from jaxtool._compat import split_p, stack_p, unstack_p
 from jaxtool.errors import UnsupportedError
 from jaxtool.graph import NUMPY_RULES, FlatEqn, bind
 from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, cast, reshaped, selection_from_index,
@@ -665,6 +665,8 @@ SELECTION_INDEX = {
     P.concatenate_p: NUMPY_RULES["concatenate"],
     P.pad_p: _np_pad,
     split_p: lambda x, *, sizes, axis: np.split(x, np.cumsum(sizes)[:-1], axis),
+    stack_p: NUMPY_RULES["stack"],
+    unstack_p: lambda x, *, axis: tuple(np.moveaxis(x, axis, 0)),
     P.dynamic_slice_p: _np_dynamic_slice,
     P.dynamic_update_slice_p: _np_dynamic_update_slice,
     P.gather_p: _np_gather,
@@ -673,7 +675,7 @@ SELECTION_INDEX = {
 
 #: linear in their floating-point operands: the partial is the primitive itself, applied to a tangent
 LINEAR_SELECTION = [P.slice_p, P.pad_p, P.concatenate_p, P.rev_p, P.gather_p, P.dynamic_slice_p,
-                    P.dynamic_update_slice_p, split_p]
+                    P.dynamic_update_slice_p, split_p, stack_p, unstack_p]
 
 
 @register(*LINEAR_SELECTION)

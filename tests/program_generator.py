@@ -565,7 +565,7 @@ def op_matrix_structure(b: _Builder) -> bool:
         ones = "(1,)" if len(s) == 1 else "(1, 1)"
         options += [(f"lax.reduce_window({a}, -jnp.inf, lax.max, {window}, {ones}, 'VALID')", (s[0] - 1,) + s[1:]),
                     (f"lax.reduce_window({a}, 0.0, lax.add, {window}, {ones}, 'VALID')", (s[0] - 1,) + s[1:]),
-                    (f"jnp.split({a}, [1])[1]", (s[0] - 1,) + s[1:]),
+                    (f"jnp.split({a}, [1])[1]", (s[0] - 1,) + s[1:]), (f"jnp.unstack({a})[-1]", s[1:]),
                     (f"lax.pad({a}, 0.0, [(1, -1, 1)" + (", (0, 0, 0)" if len(s) == 2 else "") + "])",
                      (2 * s[0] - 1,) + s[1:])]
     expr, shape = rng.choice(options)
