@@ -171,6 +171,16 @@ class Sparse(Partial):
         return self.val is None and not self.unit
 
     @property
+    def dense_val_shape(self) -> tuple:
+        """``val_shape`` once every output axis is unpaired (:meth:`unpair`): paired axes full on both
+        sides, the input axes in their order."""
+        nout = len(self.out_shape)
+        paired = {j for j in self.pairs if j is not None}
+        rows = tuple(self.out_shape[k] if self.pairs[k] is not None else self.val_shape[k] for k in range(nout))
+        return rows + tuple(self.in_shape[j] if j in paired else self.val_shape[nout + self.unpaired_in.index(j)]
+                            for j in range(len(self.in_shape)))
+
+    @property
     def is_permuted_diag(self) -> bool:
         """Every output axis is paired and every input axis is used: ``J(t) = val * transpose(t)``."""
         return all(p is not None for p in self.pairs) and len(self.in_shape) == len(self.out_shape)
@@ -1156,15 +1166,18 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
                                               calls=calls)), cost
     # general: rows of b (dense over v) pulled back through a^T
-    rows = b.unpair(range(len(b.out_shape)))
     nw = len(b.out_shape)
-    row_shape = rows.val_shape[:nw]
+    row_shape = b.dense_val_shape[:nw]
     n_rows = _size(row_shape)
     cost = Cost(n_rows * (a.flops + (_size(a.out_shape) if a.has_scale else 0)), 0)
     val_shape = tuple(row_shape) + tuple(a.in_shape)
     result = Sparse(b.out_shape, a.in_shape, (None,) * nw, val_shape, dtype)
-    if a.abstract or rows.abstract:
+    if a.abstract or b.abstract:
         return result, cost
+    if a.index is not None and any(p is not None for p in b.pairs):
+        pulled = _paired_rows_through_index(b, a, tuple(row_shape), dtype)
+        return replace(result, val=cast(reshaped(pulled, val_shape), dtype)), cost
+    rows = b.unpair(range(nw))
     block = jnp.broadcast_to(rows.values(), tuple(row_shape) + tuple(a.out_shape)).reshape((n_rows,) + a.out_shape)
     if a.index is not None:
         if a.has_scale:
@@ -1220,6 +1233,35 @@ class JointPullback:
         if key not in self._memo:
             self._memo[key] = (source, _vmapped(self._vjp, block))  # the source kept alive: its id stays its own
         return self._memo[key][1]
+
+
+def _paired_rows_through_index(b: Sparse, a: Linear, row_shape: tuple, dtype):
+    """``b o a`` as rows ``row_shape`` (``b.unpair``'s) by ``a``'s input, for a Sparse ``b`` with paired
+    axes after a selection ``a`` of known index (each element of ``v`` is the element ``a.index`` of
+    ``u``, times ``a.scale``; -1: zero). A row of ``b`` is non-zero only where ``v``'s paired axes are
+    the row's own coordinates: its few entries are added at their ``u`` columns by one scatter. Formed
+    as ``b`` densified over all of ``v`` and that scattered column by column, a gather of 1,000 of 200
+    rows times a per-row 8x8 block (graph message passing) was 64M entries and a 12.8M-column scatter."""
+    n_v, nw = len(b.in_shape), len(b.out_shape)
+    free = b.unpaired_in
+    w = np.indices(row_shape).reshape(nw, _size(row_shape))  # (nw, rows)
+    entries = tuple(b.in_shape[j] for j in free)
+    c = np.indices(entries).reshape(len(free), _size(entries))  # (len(free), entries)
+    paired = {j: k for k, j in enumerate(b.pairs) if j is not None}
+    coords = [w[paired[j]][:, None] if j in paired else c[free.index(j)][None, :] for j in range(n_v)]
+    v = np.ravel_multi_index(np.broadcast_arrays(*coords), b.in_shape)  # (rows, entries)
+    targets = a.index.reshape(-1)[v]
+    full = tuple(row_shape) + tuple(b.in_shape[j] for j in free)
+    values = reshaped(_broadcast_to(cast(b.values(), dtype), full), v.shape)
+    if a.has_scale:
+        values = values * _take(reshaped(cast(jnp.broadcast_to(a.scale, a.out_shape), dtype), (_size(a.out_shape),)),
+                                v, 0)
+    kept = np.flatnonzero(targets >= 0)
+    if not len(kept):  # (also where b or a has no elements)
+        return lax.full((v.shape[0], _size(a.in_shape)), 0, dtype)
+    row_of = np.broadcast_to(np.arange(v.shape[0])[:, None], v.shape).reshape(-1)[kept]
+    updates = _take(reshaped(values, (v.size,)), kept, 0)
+    return jnp.zeros((v.shape[0], _size(a.in_shape)), dtype).at[row_of, targets.reshape(-1)[kept]].add(updates)
 
 
 def _scatter_columns(rows, index: np.ndarray, n: int):
@@ -1279,6 +1321,36 @@ def _zero_unless(mask, x):
     return lax.select(_broadcast_to(mask, shape), x, lax.full(shape, 0, x.dtype))
 
 
+def _rows_at(a: Sparse, index: np.ndarray, dtype):
+    """The rows of ``a`` at its flattened output elements ``index`` (-1: a row of zeros), dense over
+    its input as ``a.unpair`` of every output axis stores them (size 1 along an unpaired input axis its
+    values are constant on): ``(len(index),) + columns``. Taken from the stored values and the pairing:
+    ``a`` densified over all its rows (a selection of 1,600 of 8,000 rows of a per-row 8x8 block,
+    graph message passing) was a 64M-entry array and a gather from it."""
+    nout, n_in = len(a.out_shape), len(a.in_shape)
+    columns = a.dense_val_shape[nout:]
+    if not (index >= 0).any():  # (also where ``a`` has no rows at all)
+        return lax.full((len(index),) + columns, 0, dtype)
+    paired = {j: k for k, j in enumerate(a.pairs) if j is not None}
+    stored = a.val_shape[:nout]
+    if nout:
+        coords = np.unravel_index(np.maximum(index, 0), a.out_shape)
+        at = np.ravel_multi_index(tuple(c if n > 1 else 0 * c for c, n in zip(coords, stored)), stored)
+    else:  # (a scalar's one row; NumPy's index arithmetic takes no 0-d shapes)
+        coords, at = (), np.zeros(len(index), int)
+    rows = _take(reshaped(cast(a.values(), dtype), (_size(stored),) + tuple(a.val_shape[nout:])), at, 0)
+    rows = reshaped(rows, (len(index),) + tuple(1 if j in paired else columns[j] for j in range(n_in)))
+    keep = None if (index >= 0).all() else (index >= 0).reshape((-1,) + (1,) * n_in)
+    for j, k in paired.items():  # a paired input element is the row's own output coordinate
+        axis = [1] * (1 + n_in)
+        axis[1 + j] = a.in_shape[j]
+        own = coords[k].astype(np.int32).reshape((-1,) + (1,) * n_in)
+        hit = lax.broadcasted_iota(np.int32, tuple(axis), 1 + j) == own
+        keep = hit if keep is None else keep & hit
+    rows = _broadcast_to(rows, (len(index),) + columns)
+    return rows if keep is None else _zero_unless(keep, rows)
+
+
 def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
     """``b o a``: a Sparse ``a: u -> v`` followed by a Linear ``b: v -> w``."""
     dtype = np.dtype(_result_dtype(a, b))
@@ -1310,22 +1382,20 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
         return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
                                               calls=calls)), cost
     # general: columns of a (dense over v) pushed through b
-    cols = a.unpair(range(len(a.out_shape)))
     nv = len(a.out_shape)
-    col_shape = cols.val_shape[nv:]
+    col_shape = a.dense_val_shape[nv:]
     n_cols = _size(col_shape)
     cost = Cost(n_cols * (b.flops + (_size(b.out_shape) if b.has_scale else 0)), 0)
     val_shape = tuple(b.out_shape) + tuple(col_shape)
     result = Sparse(b.out_shape, a.in_shape, (None,) * len(b.out_shape), val_shape, dtype)
-    if b.abstract or cols.abstract:
+    if b.abstract or a.abstract:
         return result, cost
-    block = jnp.broadcast_to(cols.values(), tuple(a.out_shape) + tuple(col_shape))
     if b.index is not None:
-        taken = _take_or_zero(block.reshape(_size(a.out_shape), n_cols).astype(dtype), b.index.reshape(-1), axis=0)
-        val = taken.reshape(val_shape)
+        val = reshaped(_rows_at(a, b.index.reshape(-1), dtype), val_shape)
         if b.has_scale:
             val = val * reshaped(jnp.broadcast_to(b.scale, b.out_shape), tuple(b.out_shape) + (1,) * len(col_shape))
         return replace(result, val=cast(val, dtype)), cost
+    block = jnp.broadcast_to(a.unpair(range(nv)).values(), tuple(a.out_shape) + tuple(col_shape))
     block = jnp.moveaxis(block.reshape(tuple(a.out_shape) + (n_cols,)), -1, 0)
     pushed = _vmapped(b.apply, cast(block, b.dtype))  # (n_cols,) + w
     val = reshaped(jnp.moveaxis(pushed, 0, -1), val_shape)
