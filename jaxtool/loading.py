@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 
 from jaxtool.errors import JaxtoolError, LoadError, SpecError, UsageError
 from jaxtool.source import code_file, display_path, exception_message, location_of_exception, unwrap, wrapper_chain
-from jaxtool.specs import check_x64, draw, format_spec, parse_spec, parse_statics, resolve_annotation, \
-    spec_of_annotation
+from jaxtool.specs import check_x64, draw, drawn_kind, format_spec, parse_spec, parse_statics, \
+    resolve_annotation, spec_of_annotation
 
 
 #: How :func:`jaxtool.specs.draw` draws each kind of value, as the note on stderr says it.
@@ -607,13 +607,12 @@ def _realize(values, rng, concrete: bool):
             check_x64(x.dtype, format_spec(x))
             if not concrete:
                 return x
-            dtype = jnp.dtype(x.dtype)
-            drawn.add("booleans" if dtype == bool else "integers" if jnp.issubdtype(dtype, jnp.integer)
-                      else "complex" if jnp.issubdtype(dtype, jnp.complexfloating) else "floats")
             try:
-                return draw(x, rng)
+                value = draw(x, rng)
             except (ValueError, MemoryError) as exc:  # a shape numpy cannot allocate
                 raise UsageError(f"cannot draw values for spec {format_spec(x)!r}: {exception_message(exc)}") from None
+            drawn.add(drawn_kind(x.dtype))
+            return value
         if isinstance(x, (np.ndarray, np.generic, int, float, complex)):
             return jnp.asarray(x)
         return x

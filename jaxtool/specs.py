@@ -255,6 +255,20 @@ def _known_dtype(name: str):
         return None
 
 
+def drawn_kind(dtype) -> str | None:
+    """The kind of values :func:`draw` draws for ``dtype``: "booleans", "integers", "complex" or
+    "floats"; None for a dtype it cannot draw."""
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.dtype(bool):
+        return "booleans"
+    for kind, family in (("integers", jnp.integer), ("complex", jnp.complexfloating), ("floats", jnp.floating)):
+        if jnp.issubdtype(dtype, family):
+            return kind
+    return None
+
+
 def draw(tree, rng):
     """Concrete arrays for every ``ShapeDtypeStruct`` leaf of ``tree`` (other leaves kept as given).
 
@@ -271,13 +285,14 @@ def draw(tree, rng):
             return leaf
         dtype, shape = jnp.dtype(leaf.dtype), leaf.shape
         check_x64(dtype, format_spec(leaf))
-        if dtype == jnp.dtype(bool):
+        kind = drawn_kind(dtype)
+        if kind == "booleans":
             values = rng.random(shape) < 0.5
-        elif jnp.issubdtype(dtype, jnp.integer):
+        elif kind == "integers":
             values = rng.integers(0, min(10, int(jnp.iinfo(dtype).max) + 1), shape)
-        elif jnp.issubdtype(dtype, jnp.complexfloating):
+        elif kind == "complex":
             values = rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
-        elif jnp.issubdtype(dtype, jnp.floating):
+        elif kind == "floats":
             values = rng.standard_normal(shape)
         else:
             raise SpecError(f"cannot draw values of dtype {dtype.name} for {format_spec(leaf)}; give --inputs")

@@ -253,13 +253,15 @@ def _check(fn, traced, leaves, wrt, blocks, rtol, atol):
     # complex64: float32's; a program computing in a narrower float than it returns is checked at that
     # float's tolerance (jax.jacrev rounds cotangents to it where jax.jacfwd and jaxtool do not), and
     # so is a block of a narrower input (its dtype, as jax.jacrev's; jax.jacfwd's has the output's)
+    # a reduce_precision to at most float16's (float32's) mantissa counts as a float16 (float32)
+    mantissas = _reduced_mantissas(traced.closed_jaxpr.jaxpr)
     itemsize = min([tangent_dtype(traced.out_avals[i]).itemsize for i in outs]
                    + [tangent_dtype(traced.in_avals[k]).itemsize for k in wrt]
+                   + [2 if m <= 10 else 4 if m <= 23 else 8 for m in mantissas]
                    + _computed_itemsizes(traced.closed_jaxpr.jaxpr))
     default_rtol, default_atol = DEFAULT_TOLERANCES.get(itemsize, DEFAULT_TOLERANCES[4])
-    # a reduce_precision to m mantissa bits rounds jax.jacrev's cotangents (jax.jacfwd's tangents)
-    # by up to 2**-(m + 1) relative; float16/bfloat16's default covers m >= 7
-    mantissas = _reduced_mantissas(traced.closed_jaxpr.jaxpr)
+    # it rounds jax.jacrev's cotangents (jax.jacfwd's tangents) by up to 2**-(m + 1) relative for m
+    # mantissa bits: float16/bfloat16's default covers m >= 7
     if mantissas:
         rounding = 2.0 ** -(min(mantissas) + 1)
         default_rtol, default_atol = max(default_rtol, rounding), max(default_atol, rounding)
@@ -292,16 +294,13 @@ def _check(fn, traced, leaves, wrt, blocks, rtol, atol):
 
 
 def _computed_itemsizes(jaxpr) -> list:
-    """The item sizes of the floating-point values ``jaxpr`` (and the jaxprs in it) computes; a
-    ``reduce_precision`` to at most float16's (float32's) mantissa counts as a float16 (float32)."""
+    """The item sizes of the floating-point values ``jaxpr`` (and the jaxprs in it) computes."""
     import jax.numpy as jnp
 
     from jaxtool.printing import subjaxprs
 
     sizes = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "reduce_precision":
-            sizes.append(2 if eqn.params["mantissa_bits"] <= 10 else 4 if eqn.params["mantissa_bits"] <= 23 else 8)
         for var in eqn.outvars:
             dtype = getattr(var.aval, "dtype", None)
             if dtype is not None and jnp.issubdtype(dtype, jnp.inexact):
