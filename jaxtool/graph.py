@@ -65,13 +65,21 @@ class FlatEqn:
     def name(self) -> str:
         return self.primitive.name
 
+    def user_source_info(self):
+        """This equation's ``source_info`` if it has a user frame, else that of the innermost inlined
+        call around it that has one (None if none has): JAX records no user frame for the equations of
+        a library's nested ``jit`` (``jax.scipy.linalg.sqrtm``'s ``schur``, ``jnp.where``'s
+        ``select_n``), but the call into the library has it."""
+        from jaxtool.source import user_frame
+
+        return next((info for info in (self.source_info,) + self.callers if user_frame(info) is not None), None)
+
     def location(self) -> str | None:
-        """The user's ``file:line`` of this equation, else of the innermost inlined call around it
-        that has one: JAX records no user frame for the equations of a library's nested ``jit``
-        (``jax.scipy.linalg.sqrtm``'s ``schur``), but the call into the library has it."""
+        """The user's ``file:line`` of this equation (see :meth:`user_source_info`)."""
         from jaxtool.source import location
 
-        return next(filter(None, map(location, (self.source_info,) + self.callers)), None)
+        info = self.user_source_info()
+        return None if info is None else location(info)
 
 
 @dataclass

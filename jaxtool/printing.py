@@ -370,12 +370,6 @@ def source_ref(source_info) -> SourceRef | None:
                      function=frame.function_name, code=source.source_line(frame))
 
 
-def _inlined_source(eqn) -> SourceRef | None:
-    """The source of an inlined equation: its own user frame, else that of the innermost inlined call
-    around it with one (JAX records none inside ``jnp.where``'s ``jit``, the call has your line)."""
-    return next(filter(None, map(source_ref, (eqn.source_info,) + eqn.callers)), None)
-
-
 # ------------------------------------------------------------------------------- building
 
 
@@ -483,7 +477,7 @@ def build_flat_view(program: FlatProgram, *, depth: int | None = None, source: b
         eqns.append(EqnView(
             path=eqn.path, primitive=eqn.name, shown=shown_params(eqn.name, eqn.params), params=dict(eqn.params),
             invars=inputs, outvars=outvars, nested=nested, vertices=tuple(eqn.outvars),
-            source=_inlined_source(eqn) if source else None))
+            source=source_ref(eqn.user_source_info()) if source else None))
     outvars = [atom(a) for a in program.outvars]
     return JaxprView(list(consts.values()), invars, eqns, outvars, inline=True,
                      num_vertices=program.num_vertices)
