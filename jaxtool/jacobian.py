@@ -117,21 +117,23 @@ def _split(args, kwargs, positions, kinds):
     """A call's arguments as (static, tree, dynamic) for the staged Jacobian.
 
     Python and NumPy scalars of ``kinds`` outside the differentiated arguments stay such values
-    (``static``: flat leaf index, type and value), as ``jax.jacrev`` leaves them, so that
+    (``static``: flat leaf index, type, value and a float's bits), as ``jax.jacrev`` leaves them, so that
     ``fun`` may use them as sizes or in Python control flow; every other leaf is traced
     (``dynamic``).
     """
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     differentiated = set(_differentiated_leaves(args, positions)) if args else set()
-    # the type too: jax.jit's cache would take True, 1 and 1.0 for one another
-    static = tuple((n, type(x), x) for n, x in enumerate(leaves) if n not in differentiated and isinstance(x, kinds))
-    fixed = {n for n, _, _ in static}
+    # the type too: jax.jit's cache would take True, 1 and 1.0 for one another; a float's bits too:
+    # it would take -0.0 and 0.0 for one another (copysign tells them apart)
+    static = tuple((n, type(x), x, np.asarray(x).tobytes() if isinstance(x, (float, complex, np.inexact)) else None)
+                   for n, x in enumerate(leaves) if n not in differentiated and isinstance(x, kinds))
+    fixed = {n for n, *_ in static}
     return static, tree, [x for n, x in enumerate(leaves) if n not in fixed]
 
 
 def _merge(static, tree, dynamic):
     """The ``(args, kwargs)`` that :func:`_split` split."""
-    values, dynamic = {n: x for n, _, x in static}, iter(dynamic)
+    values, dynamic = {n: x for n, _, x, _ in static}, iter(dynamic)
     leaves = [values[n] if n in values else next(dynamic) for n in range(tree.num_leaves)]
     return jax.tree_util.tree_unflatten(tree, leaves)
 

@@ -729,9 +729,31 @@ def _product(b: Partial, a: Partial) -> tuple[Partial, Cost]:
         return _sparse_sparse(b, a)
     if isinstance(a, Linear) and isinstance(b, Linear):
         return _linear_linear(b, a)
+    known, other = (a, b) if isinstance(a, Linear) else (b, a)
+    if known.index is not None and not other.is_permuted_diag:
+        selection = _replication_as_selection(other)
+        if selection is not None:
+            return _linear_linear(*((selection, a) if known is a else (b, selection)))
     if isinstance(a, Linear):
         return _sparse_after_linear(b, a)
     return _linear_after_sparse(b, a)
+
+
+def _replication_as_selection(x: Sparse) -> Optional[Linear]:
+    """A unit ``x`` as a selection with known index, where each of its output elements reads one
+    input element (every input axis it does not pair has size 1: a broadcast, a reshape adding or
+    removing unit axes), or None. Multiplied by a selection of known index, it is then composed as
+    index arithmetic (:func:`_linear_linear`), not formed dense over its rows (an edge-padded image:
+    a slice of a row of 40, broadcast to a (1, 1, 40) row, densified into 40 x 40 x 40 blocks)."""
+    if not x.unit or any(x.in_shape[j] != 1 for j in x.unpaired_in):
+        return None
+    out = np.indices(x.out_shape, sparse=True)
+    coords = [np.zeros((1,) * len(x.out_shape), int)] * len(x.in_shape)
+    for k, j in enumerate(x.pairs):
+        if j is not None:
+            coords[j] = out[k]
+    index = np.ravel_multi_index(tuple(coords), x.in_shape) if x.in_shape else np.zeros((), int)
+    return selection_from_index(x.out_shape, x.in_shape, np.broadcast_to(index, x.out_shape).copy(), x.dtype)
 
 
 def clear_plan_caches() -> None:
@@ -953,24 +975,42 @@ def _contract(operands, specs, out_layout, loop, dtype):
     if contracted and (loop > SMALL_CONTRACTION or _is_matvec(specs, out_spec) or not fused):
         kept = [reshaped(v, tuple(v.shape[n] for n in keep)) for v, keep in operands]
         return reshaped(_dot(kept, specs, out_spec, dtype), out_shape)
-    summed = tuple(dict.fromkeys(l for spec in specs for l in spec if l not in out_spec))
-    layout = tuple(out_layout) + summed
-    full = out_shape + tuple(sizes[l] for l in summed)
+    layout = _summation_layout(operands, specs, out_layout)
+    full = tuple(sizes[l] if l in sizes else 1 for l in layout)
     product = None
     for (v, keep), spec in zip(operands, specs):
         v = _laid_out(v, keep, spec, layout, full)
         product = v if product is None else lax.mul(product, v)
-    if not summed:
+    summed_axes = tuple(n for n, l in enumerate(layout) if l is not None and l not in out_spec)
+    if not summed_axes:
         return product
-    terms = int(np.prod(full[len(out_layout):]))
+    terms = _size(full[n] for n in summed_axes)
     if not (0 < terms <= UNROLLED_SUM and fused):  # (a sum of no terms is zero)
-        return lax.reduce_sum(product, tuple(range(len(out_layout), len(layout))))
-    product = reshaped(product, out_shape + (terms,))
+        return lax.reduce_sum(product, summed_axes)
     total = None
-    for j in range(terms):
-        term = lax.squeeze(lax.slice_in_dim(product, j, j + 1, axis=-1), (len(out_shape),))
+    for index in np.ndindex(*(full[n] for n in summed_axes)):
+        start = [0] * len(full)
+        for n, i in zip(summed_axes, index):
+            start[n] = i
+        limit = [s + 1 if n in summed_axes else full[n] for n, s in enumerate(start)]
+        term = lax.squeeze(lax.slice(product, tuple(start), tuple(limit)), summed_axes)
         total = term if total is None else lax.add(total, term)
     return total
+
+
+def _summation_layout(operands, specs, out_layout) -> tuple:
+    """The axes (letters, None for size 1) of a contraction's product before its sum: ``out_layout``
+    with each summed letter inserted after the letter that precedes it in the largest operand that
+    has it, so that laying that operand out needs no transpose (a summed axis between two kept ones,
+    as in ``sum(a[i, j, c], j)``, stays where it is; the sum removes it from any position)."""
+    layout = list(out_layout)
+    largest_first = sorted(range(len(specs)), key=lambda n: -operands[n][0].size)
+    for spec in (specs[n] for n in largest_first):
+        for k, letter in enumerate(spec):
+            if letter not in layout:
+                placed = [l for l in spec[:k] if l in layout]
+                layout.insert(layout.index(placed[-1]) + 1 if placed else 0, letter)
+    return tuple(layout)
 
 
 def _is_matvec(specs, out_spec) -> bool:
