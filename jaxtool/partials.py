@@ -23,7 +23,10 @@ tangents of ``v`` (``out_shape``). Its dense form has shape ``out_shape + in_sha
     transpose; either may be derived from the other with :func:`jax.linear_transpose`. A selection
     known at trace time carries its ``index``; a sum of a few such scaled selections (a stencil
     ``y[2:] - 2 y[1:-1] + y[:-2]``, ``x + x.T``, ``x + roll(x)``) keeps them as its ``parts``, so
-    that products distribute over them and densifying writes only their entries.
+    that products distribute over them and densifying writes only their entries. A selection whose
+    index depends on the values (a gather at indices computed from them, a sort) gets its index at
+    run time where it is densified or multiplied by a Sparse partial (:func:`_index_of`); sums of
+    such scaled selections keep them as parts too, one per term.
 
 Every operation computes the result's *structure* and its multiplication/addition counts from
 shapes alone, and computes values only when its operands carry them. A partial without values
@@ -354,28 +357,69 @@ def _argument_passed(argument, token, callee: "Linear"):
     return passed if passed.dtype == callee.dtype else None
 
 
+def _kept(key, make: Callable, *alive):
+    """``make()``, made once per ``key`` while results are kept (see :func:`shared_applications`);
+    ``alive``: the objects whose ids ``key`` holds, kept so that their ids are not reused meanwhile."""
+    results = _APPLICATIONS.results
+    if results is None:
+        return make()
+    if key not in results:
+        results[key] = (make(), alive)
+    return results[key][0]
+
+
 def _scaled(x, scale):
     """``x * scale``, the same array for the same two operands while results are kept: the terms of a
     sum that share their outer map share its scale too, and so its application to the product."""
-    results = _APPLICATIONS.results
-    if results is None:
-        return x * scale
-    key = ("scaled", id(x), id(scale))
-    if key not in results:
-        results[key] = (x * scale, x, scale)  # the operands kept so that their ids are not reused meanwhile
-    return results[key][0]
+    return _kept(("scaled", id(x), id(scale)), lambda: x * scale, x, scale)
 
 
 def _ones(shape, dtype):
     """An array of ones, the same one for the same shape and dtype while results are kept (so
     that a chain of selections, each asked which elements it selects, applies each map to it once)."""
-    results = _APPLICATIONS.results
-    if results is None:
-        return jnp.ones(shape, dtype)
-    key = ("ones", tuple(shape), np.dtype(dtype))
-    if key not in results:
-        results[key] = jnp.ones(shape, dtype)
-    return results[key]
+    return _kept(("ones", tuple(shape), np.dtype(dtype)), lambda: jnp.ones(shape, dtype))
+
+
+def _element_bits(shape, dtype):
+    """The element numbers 1, 2, ... of ``shape`` bit by bit: ``(bits,) + shape`` zeros and ones of
+    ``dtype``, bit ``k`` of each number in plane ``k`` (made by ``iota``: no constant of that size).
+
+    A selection moves every plane's elements as it moves the numbers, and zero and one are exact in
+    every floating dtype, also through the casts a selection's map makes on the way (a float32 number
+    is exact only below 2**24 elements, a bfloat16 one below 256: see ``jaxtool.rules._element_numbers``
+    for the numbers a selection known while tracing is run on)."""
+    n = _size(shape)
+    bits = max(1, n.bit_length())
+    numbers = lax.broadcasted_iota(np.int32, (1, n), 1) + np.int32(1)
+    planes = lax.bitwise_and(lax.shift_right_logical(numbers, lax.broadcasted_iota(np.int32, (bits, 1), 0)),
+                             np.int32(1))
+    return reshaped(cast(planes, dtype), (bits,) + tuple(shape))
+
+
+def _index_from_bits(moved):
+    """The flat input indices (-1 for number 0: none) that element-number bits moved by a selection
+    (:func:`_element_bits`, planes on the first axis) stand for: int32, of the shape of one plane."""
+    weights = reshaped(lax.shift_left(np.int32(1), lax.iota(np.int32, moved.shape[0])),
+                       (moved.shape[0],) + (1,) * (moved.ndim - 1))
+    number = jnp.sum(lax.mul(cast(lax.ne(moved, lax.full_like(moved, 0)), np.int32), weights), axis=0)
+    return number - np.int32(1)
+
+
+def _index_of(x: "Linear"):
+    """Per output element of the selection ``x`` (of ``x.out_shape``), the flat index of the input
+    element it copies, -1 where none: :attr:`Linear.index` where it is known while tracing; else (a
+    gather at indices computed from values, a sort, a composition with either) an int32 array
+    computed at run time, once per ``x`` while results are kept, by ``x``'s map applied at once to
+    the bits of the element numbers (:func:`_element_bits`). Densifying, and products with Sparse
+    partials, then write or read entries by that index instead of applying the map (or its
+    transpose) to a basis row by row: a dense block's every row as a scatter (XLA:CPU: 1.5 ms for
+    300 rows of 1024 elements)."""
+    if x.index is not None:
+        return x.index
+    def computed():
+        return _index_from_bits(_vmapped(x.forward(), _element_bits(x.in_shape, x.dtype)))
+
+    return _kept(("index", id(x)), computed, x)
 
 
 @dataclass(frozen=True)
@@ -495,8 +539,9 @@ class Linear(Partial):
     def densify_cost(self) -> Cost:
         """Forming the dense block applies the map to a basis of unit vectors, the smaller one, each
         application counted as in products (:attr:`flops`, and the scale); a selection whose
-        pattern is known while tracing is written, not applied (no multiplications)."""
-        if self.parts or self.index is not None:
+        pattern is known while tracing, or computed at run time (:func:`_index_of`), is written, not
+        applied (no multiplications)."""
+        if self.parts or self.selection:
             return Cost()
         per_application = self.flops + (_size(self.out_shape) if self.has_scale else 0)
         return Cost(min(_size(self.in_shape), _size(self.out_shape)) * per_application, 0)
@@ -508,9 +553,9 @@ class Linear(Partial):
             pullbacks, i = self.joint  # rows of all of the equation's blocks at once
             rows = pullbacks.pull(pullbacks, jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape))
             return rows[i].reshape(self.shape)
-        if self.parts or self.index is not None:
+        if self.parts or self.selection:
             parts = self.parts or (self,)
-            if n_out * n_in > SMALL_DENSE:
+            if n_out * n_in > SMALL_DENSE or any(p.index is None for p in parts):
                 return _parts_to_dense(parts, self.shape, self.dtype, self.stacked)
             # small: 0/1 patterns known while tracing, scaled and added (fused by XLA; no scatter)
             return functools.reduce(lax.add, [cast(p._pattern_dense(), self.dtype) for p in parts])
@@ -1214,16 +1259,16 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
     result = Sparse(b.out_shape, a.in_shape, (None,) * nw, val_shape, dtype)
     if a.abstract or b.abstract:
         return result, cost
-    if a.index is not None and any(p is not None for p in b.pairs):
-        pulled = _paired_rows_through_index(b, a, tuple(row_shape), dtype)
+    if a.selection and any(p is not None for p in b.pairs):
+        pulled = _rows_through_index(b, a, tuple(row_shape), dtype)
         return replace(result, val=cast(reshaped(pulled, val_shape), dtype)), cost
     rows = b.unpair(range(nw))
     block = jnp.broadcast_to(rows.values(), tuple(row_shape) + tuple(a.out_shape)).reshape((n_rows,) + a.out_shape)
-    if a.index is not None:
+    if a.selection:
         if a.has_scale:
             block = block * jnp.broadcast_to(a.scale, a.out_shape).astype(dtype)
-        pulled = _scatter_columns(block.reshape(n_rows, _size(a.out_shape)).astype(dtype), a.index.reshape(-1),
-                                  _size(a.in_shape))
+        pulled = _scatter_columns(block.reshape(n_rows, _size(a.out_shape)).astype(dtype),
+                                  reshaped(_index_of(a), (_size(a.out_shape),)), _size(a.in_shape))
     elif a._joint() is not None:  # the same rows pulled back through all inputs of a's equation at once
         pullbacks, i = a._joint()
         pulled = pullbacks.pull(b, cast(block, a.dtype))[i]
@@ -1275,13 +1320,14 @@ class JointPullback:
         return self._memo[key][1]
 
 
-def _paired_rows_through_index(b: Sparse, a: Linear, row_shape: tuple, dtype):
+def _rows_through_index(b: Sparse, a: Linear, row_shape: tuple, dtype):
     """``b o a`` as rows ``row_shape`` (``b.unpair``'s) by ``a``'s input, for a Sparse ``b`` with paired
-    axes after a selection ``a`` of known index (each element of ``v`` is the element ``a.index`` of
-    ``u``, times ``a.scale``; -1: zero). A row of ``b`` is non-zero only where ``v``'s paired axes are
-    the row's own coordinates: its few entries are added at their ``u`` columns by one scatter. Formed
-    as ``b`` densified over all of ``v`` and that scattered column by column, a gather of 1,000 of 200
-    rows times a per-row 8x8 block (graph message passing) was 64M entries and a 12.8M-column scatter."""
+    axes after a selection ``a`` (each element of ``v`` is the element ``_index_of(a)`` of ``u``, times
+    ``a.scale``; -1: zero). A row of ``b`` is non-zero only where ``v``'s paired axes are the row's own
+    coordinates: its few entries are added at their ``u`` columns by one scatter (at a run-time
+    index, every entry, those ``a`` selects nothing for dropped). Formed as ``b`` densified over all
+    of ``v`` and that scattered column by column, a gather of 1,000 of 200 rows times a per-row 8x8
+    block (graph message passing) was 64M entries and a 12.8M-column scatter."""
     n_v, nw = len(b.in_shape), len(b.out_shape)
     free = b.unpaired_in
     w = np.indices(row_shape).reshape(nw, _size(row_shape))  # (nw, rows)
@@ -1290,22 +1336,33 @@ def _paired_rows_through_index(b: Sparse, a: Linear, row_shape: tuple, dtype):
     paired = {j: k for k, j in enumerate(b.pairs) if j is not None}
     coords = [w[paired[j]][:, None] if j in paired else c[free.index(j)][None, :] for j in range(n_v)]
     v = np.ravel_multi_index(np.broadcast_arrays(*coords), b.in_shape)  # (rows, entries)
-    targets = a.index.reshape(-1)[v]
+    index, n_in = _index_of(a), _size(a.in_shape)
     full = tuple(row_shape) + tuple(b.in_shape[j] for j in free)
     values = reshaped(_broadcast_to(cast(b.values(), dtype), full), v.shape)
     if a.has_scale:
         values = values * _take(reshaped(cast(jnp.broadcast_to(a.scale, a.out_shape), dtype), (_size(a.out_shape),)),
                                 v, 0)
+    row_of = np.broadcast_to(np.arange(v.shape[0])[:, None], v.shape).reshape(-1)
+    if not isinstance(index, np.ndarray):
+        if not v.size:
+            return lax.full((v.shape[0], n_in), 0, dtype)
+        targets = _take(reshaped(index, (_size(a.out_shape),)), v.reshape(-1), 0)
+        return _scattered(row_of, targets, reshaped(values, (v.size,)), (v.shape[0], n_in), dtype)
+    targets = index.reshape(-1)[v].reshape(-1)
     kept = np.flatnonzero(targets >= 0)
     if not len(kept):  # (also where b or a has no elements)
-        return lax.full((v.shape[0], _size(a.in_shape)), 0, dtype)
-    row_of = np.broadcast_to(np.arange(v.shape[0])[:, None], v.shape).reshape(-1)[kept]
+        return lax.full((v.shape[0], n_in), 0, dtype)
     updates = _take(reshaped(values, (v.size,)), kept, 0)
-    return jnp.zeros((v.shape[0], _size(a.in_shape)), dtype).at[row_of, targets.reshape(-1)[kept]].add(updates)
+    return jnp.zeros((v.shape[0], n_in), dtype).at[row_of[kept], targets[kept]].add(updates)
 
 
-def _scatter_columns(rows, index: np.ndarray, n: int):
-    """``out[:, u] = sum of rows[:, v] over the v with index[v] == u`` (-1: dropped); ``out`` is ``(len(rows), n)``."""
+def _scatter_columns(rows, index, n: int):
+    """``out[:, u] = sum of rows[:, v] over the v with index[v] == u`` (-1: dropped); ``out`` is ``(len(rows), n)``.
+    A traced ``index`` (computed at run time) scatters every entry on its own: XLA:CPU moves a column
+    window per index slowly (300 rows of 300 into 1024 columns: 1.5 ms; entry by entry 0.3 ms)."""
+    if not isinstance(index, np.ndarray):
+        columns = lax.broadcast_in_dim(index, rows.shape, (1,))
+        return _scattered(lax.broadcasted_iota(np.int32, rows.shape, 0), columns, rows, (rows.shape[0], n), rows.dtype)
     picked = np.flatnonzero(index >= 0)
     targets = index[picked]
     if len(np.unique(targets)) == len(targets):  # each column read at most once: a gather
@@ -1326,12 +1383,12 @@ def _take_or_zero(x, index: np.ndarray, axis: int):
     return _zero_unless((index >= 0).reshape(index.shape + (1,) * (x.ndim - 1 - axis)), taken)
 
 
-def _take(x, index: np.ndarray, axis: int):
-    """``jnp.take(x, index, axis)`` for a NumPy ``index`` within range, by ``lax``: a strided slice
-    where the index is an increasing even run, else one ``gather`` (``jnp.take`` traces a nested jit
+def _take(x, index, axis: int):
+    """``jnp.take(x, index, axis)`` for an ``index`` within range, by ``lax``: a strided slice where
+    a NumPy index is an increasing even run, else one ``gather`` (``jnp.take`` traces a nested jit
     and wraps negative indices, several equations a Jacobian may need hundreds of times)."""
-    flat = index.reshape(-1)
     shape = x.shape[:axis] + index.shape + x.shape[axis + 1:]
+    flat = index.reshape(-1) if isinstance(index, np.ndarray) else np.zeros(0, int)  # (traced: a gather)
     step = int(flat[1] - flat[0]) if len(flat) > 1 else 1
     if len(flat) and step > 0 and np.array_equal(flat, flat[0] + step * np.arange(len(flat))):
         if len(flat) == x.shape[axis] and index.ndim == 1:
@@ -1361,26 +1418,32 @@ def _zero_unless(mask, x):
     return lax.select(_broadcast_to(mask, shape), x, lax.full(shape, 0, x.dtype))
 
 
-def _rows_at(a: Sparse, index: np.ndarray, dtype):
-    """The rows of ``a`` at its flattened output elements ``index`` (-1: a row of zeros), dense over
-    its input as ``a.unpair`` of every output axis stores them (size 1 along an unpaired input axis its
-    values are constant on): ``(len(index),) + columns``. Taken from the stored values and the pairing:
-    ``a`` densified over all its rows (a selection of 1,600 of 8,000 rows of a per-row 8x8 block,
-    graph message passing) was a 64M-entry array and a gather from it."""
+def _unravel(index, shape) -> tuple:
+    """``np.unravel_index(index, shape)`` for a non-negative ``index``, NumPy or traced (by ``lax``)."""
+    if isinstance(index, np.ndarray):
+        return np.unravel_index(index, shape) if shape else ()  # (NumPy takes no 0-d shape)
+    return tuple(lax.rem(lax.div(index, np.int32(math.prod(shape[k + 1:]))), np.int32(n)) for k, n in enumerate(shape))
+
+
+def _rows_at(a: Sparse, index, dtype):
+    """The rows of ``a`` at its flattened output elements ``index`` (-1: a row of zeros; NumPy, or
+    traced where computed at run time), dense over its input as ``a.unpair`` of every output axis
+    stores them (size 1 along an unpaired input axis its values are constant on):
+    ``(len(index),) + columns``. Taken from the stored values and the pairing: ``a`` densified over
+    all its rows (a selection of 1,600 of 8,000 rows of a per-row 8x8 block, graph message passing)
+    was a 64M-entry array and a gather from it."""
     nout, n_in = len(a.out_shape), len(a.in_shape)
     columns = a.dense_val_shape[nout:]
-    if not (index >= 0).any():  # (also where ``a`` has no rows at all)
+    known = isinstance(index, np.ndarray)
+    if not _size(a.out_shape) or (known and not (index >= 0).any()):  # no row is taken
         return lax.full((len(index),) + columns, 0, dtype)
     paired = {j: k for k, j in enumerate(a.pairs) if j is not None}
     stored = a.val_shape[:nout]
-    if nout:
-        coords = np.unravel_index(np.maximum(index, 0), a.out_shape)
-        at = np.ravel_multi_index(tuple(c if n > 1 else 0 * c for c, n in zip(coords, stored)), stored)
-    else:  # (a scalar's one row; NumPy's index arithmetic takes no 0-d shapes)
-        coords, at = (), np.zeros(len(index), int)
+    coords = _unravel(np.maximum(index, 0) if known else lax.max(index, np.int32(0)), a.out_shape)
+    at = sum((c * math.prod(stored[k + 1:]) for k, c in enumerate(coords) if stored[k] > 1), 0 * index)
     rows = _take(reshaped(cast(a.values(), dtype), (_size(stored),) + tuple(a.val_shape[nout:])), at, 0)
     rows = reshaped(rows, (len(index),) + tuple(1 if j in paired else columns[j] for j in range(n_in)))
-    keep = None if (index >= 0).all() else (index >= 0).reshape((-1,) + (1,) * n_in)
+    keep = None if known and (index >= 0).all() else (index >= 0).reshape((-1,) + (1,) * n_in)
     for j, k in paired.items():  # a paired input element is the row's own output coordinate
         axis = [1] * (1 + n_in)
         axis[1 + j] = a.in_shape[j]
@@ -1430,8 +1493,8 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
     result = Sparse(b.out_shape, a.in_shape, (None,) * len(b.out_shape), val_shape, dtype)
     if b.abstract or a.abstract:
         return result, cost
-    if b.index is not None:
-        val = reshaped(_rows_at(a, b.index.reshape(-1), dtype), val_shape)
+    if b.selection:
+        val = reshaped(_rows_at(a, reshaped(_index_of(b), (_size(b.out_shape),)), dtype), val_shape)
         if b.has_scale:
             val = val * reshaped(jnp.broadcast_to(b.scale, b.out_shape), tuple(b.out_shape) + (1,) * len(col_shape))
         return replace(result, val=cast(val, dtype)), cost
@@ -1503,12 +1566,12 @@ def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
     n_out = _size(x.out_shape)
     dtype = np.dtype(_result_dtype(x, y))
     cost = Cost(0, n_out)
-    xs, ys = _selections(x), _selections(y)
+    xs, ys = _terms(x), _terms(y)
     if xs and ys:
         scales = None
         if x.stacked is not None or y.stacked is not None:  # the parts' scales as they are stacked
             scales = lambda: jnp.concatenate([_stacked_scales(x, xs, dtype), _stacked_scales(y, ys, dtype)])  # noqa: E731
-        summed = sum_of_selections(xs + ys, dtype, scales)
+        summed = _summed_terms(xs + ys, dtype, scales)
         if summed is not None:
             return summed, cost
         return _dense_sum(xs + ys, dtype), cost  # too many parts to keep
@@ -1557,11 +1620,29 @@ def _has_parts(x: Partial) -> bool:
     return isinstance(x, Linear) and bool(x.parts)
 
 
-def _selections(x: Linear) -> Optional[tuple]:
-    """``x`` as a tuple of scaled selections with known indices that sum to it, or None."""
+def _terms(x: Linear) -> Optional[tuple]:
+    """``x`` as a tuple of scaled selections that sum to it (its parts, or ``x`` itself), with indices
+    known while tracing or computed at run time (:func:`_index_of`), or None."""
     if x.parts:
         return x.parts
-    return (x,) if x.index is not None else None
+    return (x,) if x.selection else None
+
+
+def _selections(x: Linear) -> Optional[tuple]:
+    """``x`` as a tuple of scaled selections with known indices that sum to it, or None."""
+    terms = _terms(x)
+    return terms if terms and all(t.index is not None for t in terms) else None
+
+
+def _summed_terms(terms, dtype, scales_of_terms: Optional[Callable] = None) -> Optional[Linear]:
+    """The sum of scaled selections: :func:`sum_of_selections` where every index is known; else,
+    where some index is computed at run time, they themselves as its parts (one part per term: which
+    entries they share is not known while tracing), or None where they are more than a sum keeps."""
+    if all(t.index is not None for t in terms):
+        return sum_of_selections(terms, dtype, scales_of_terms)
+    if len(terms) > _part_limit(_size(terms[0].in_shape)):
+        return None
+    return _sum_of_parts(tuple(terms), dtype)
 
 
 def sum_of_selections(terms, dtype, scales_of_terms: Optional[Callable] = None) -> Optional[Linear]:
@@ -1687,7 +1768,7 @@ def _diagonals_as_parts(x: Partial, y: Partial) -> Optional[tuple]:
     def selections(z):
         if isinstance(z, Sparse):
             return (_diag_as_selection(z),) if z.is_permuted_diag else None
-        return _selections(z)
+        return _terms(z)
 
     if isinstance(x, Sparse) and isinstance(y, Sparse):
         if x.pairs == y.pairs:
@@ -1699,18 +1780,23 @@ def _diagonals_as_parts(x: Partial, y: Partial) -> Optional[tuple]:
     n_out = _size(x.out_shape)
     if not xs or not ys or (len(xs) + len(ys)) * n_out >= other_form:
         return None
-    summed = sum_of_selections(xs + ys, np.dtype(_result_dtype(x, y)))
+    summed = _summed_terms(xs + ys, np.dtype(_result_dtype(x, y)))
     return None if summed is None else (summed, Cost(0, n_out))
 
 
 def _distributed(b: Partial, a: Partial) -> Optional[tuple]:
     """``b o a`` as the sum of the products of their parts, where one is a sum of scaled selections
     and the other a Sparse partial or (a sum of) scaled selections; None where the other is a lazily
-    applied map (composing with the sum costs less than with each part)."""
-    def terms(x):
-        return (x,) if isinstance(x, Sparse) else _selections(x)
+    applied map (composing with the sum costs less than with each part). Between two Linears, only
+    selections with known indices distribute: products of selections at run-time indices are not
+    merged into fewer (:func:`_summed_terms`), so a chain of steps that each add several maps of the
+    last (``sort(x) + roll(x) + roll(x, -1)``) would multiply its parts at every step."""
+    def terms(x, other):
+        if isinstance(x, Sparse):
+            return (x,)
+        return _terms(x) if isinstance(other, Sparse) else _selections(x)
 
-    b_terms, a_terms = terms(b), terms(a)
+    b_terms, a_terms = terms(b, a), terms(a, b)
     if b_terms is None or a_terms is None:
         return None
     selection_like = all(isinstance(t, Linear) or t.is_permuted_diag for t in b_terms + a_terms)
@@ -1838,19 +1924,29 @@ def _concatenated_scales(terms, dtype):
 
 def _parts_to_dense(parts, shape, dtype, stacked=None):
     """The dense block of a sum of scaled selections: their entries scattered into zeros (no
-    output element reads the scales more than once), their scales read from ``stacked`` if given."""
+    output element reads the scales more than once), their scales read from ``stacked`` if given.
+    Where some part's index is computed at run time (:func:`_index_of`), every part's entries go in,
+    and those of output elements a part selects nothing for are dropped by the scatter."""
     n_out = _size(parts[0].out_shape)
-    index = np.stack([p.index.reshape(-1) for p in parts])
-    part, row = np.nonzero(index >= 0)
     if stacked is None:
         stacked = _concatenated_scales(parts, dtype)
+    if any(p.index is None for p in parts):
+        index = jnp.concatenate([reshaped(jnp.asarray(_index_of(p), np.int32), (n_out,)) for p in parts])
+        rows = np.tile(np.arange(n_out), len(parts))
+        return _scattered(rows, index, stacked, (n_out, _size(parts[0].in_shape)), dtype).reshape(shape)
+    index = np.stack([p.index.reshape(-1) for p in parts])
+    part, row = np.nonzero(index >= 0)
     values = stacked if len(part) == index.size else _take(stacked, part * n_out + row, axis=0)
     return _scattered(row, index[part, row], values, (n_out, _size(parts[0].in_shape)), dtype).reshape(shape)
 
 
 def _scattered(rows, inputs, values, shape: tuple, dtype):
-    """Zeros of ``(n_out, n_in)`` ``shape`` with ``values`` added at ``(rows, inputs)`` (none if None)."""
+    """Zeros of ``(n_out, n_in)`` ``shape`` with ``values`` added at ``(rows, inputs)`` (none if None).
+    Where ``inputs`` is traced (an index computed at run time), an entry at input -1 is dropped."""
     dense = jnp.zeros(shape, dtype)
-    if values is None:
+    if values is None or not dense.size:
         return dense
-    return dense.at[rows, inputs].add(cast(values, dtype), mode="promise_in_bounds")
+    if isinstance(inputs, np.ndarray):
+        return dense.at[rows, inputs].add(cast(values, dtype), mode="promise_in_bounds")
+    inputs = lax.select(inputs >= 0, inputs, lax.full_like(inputs, shape[1]))  # (-1 would wrap around)
+    return dense.at[rows, inputs].add(cast(values, dtype), mode="drop")
