@@ -659,7 +659,9 @@ def test_selections_at_run_time_indices_are_written_by_their_index():
         jaxpr = jax.make_jaxpr(jaxtool.jacve(_bilinear, order=order, argnums=(0, 1)))(img, pts).jaxpr
         scatters = [e for e in _equations(jaxpr) if e.primitive is lax.scatter_add_p]
         assert scatters and all(not e.params["dimension_numbers"].update_window_dims for e in scatters), order
-        assert sum(int(np.prod(e.invars[2].aval.shape)) for e in scatters) <= 4 * 40 + 2 * 40, order
+        # entries a few per point (4 on the image side; the pts side's selections of known index add up to
+        # 9 in some orders), where a window of rows per gather was 40 per point each
+        assert sum(int(np.prod(e.invars[2].aval.shape)) for e in scatters) <= 16 * 40, order
 
 
 #: gathers and other selections whose indices are computed from the values (known only at run time)
@@ -1720,14 +1722,6 @@ def test_primal_dot_general_matches_lax(lhs_shape, rhs_shape, dimension_numbers)
         narrow = jax.make_jaxpr(lambda a: partials.dot_general(a, a, (((1,), (0,)), ((), ())),
                                                                preferred_element_type=preferred))(bf16)
         assert [e.primitive for e in narrow.eqns] == [lax.dot_general_p]
-
-
-def _equations(jaxpr):
-    """``jaxpr``'s equations and those of the jaxprs nested in them."""
-    for e in jaxpr.eqns:
-        yield e
-        for _, _, sub in subjaxprs(e.params):
-            yield from _equations(sub)
 
 
 def _primitives(jaxpr) -> set:
