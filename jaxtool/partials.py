@@ -1268,7 +1268,8 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         if a.has_scale:
             block = block * jnp.broadcast_to(a.scale, a.out_shape).astype(dtype)
         pulled = _scatter_columns(block.reshape(n_rows, _size(a.out_shape)).astype(dtype),
-                                  reshaped(_index_of(a), (_size(a.out_shape),)), _size(a.in_shape))
+                                  reshaped(_index_of(a), (_size(a.out_shape),)), _size(a.in_shape),
+                                  (a.out_shape, a.in_shape))
     elif a._joint() is not None:  # the same rows pulled back through all inputs of a's equation at once
         pullbacks, i = a._joint()
         pulled = pullbacks.pull(b, cast(block, a.dtype))[i]
@@ -1356,13 +1357,18 @@ def _rows_through_index(b: Sparse, a: Linear, row_shape: tuple, dtype):
     return jnp.zeros((v.shape[0], n_in), dtype).at[row_of[kept], targets[kept]].add(updates)
 
 
-def _scatter_columns(rows, index, n: int):
+def _scatter_columns(rows, index, n: int, shapes: Optional[tuple] = None):
     """``out[:, u] = sum of rows[:, v] over the v with index[v] == u`` (-1: dropped); ``out`` is ``(len(rows), n)``.
     A traced ``index`` (computed at run time) scatters every entry on its own: XLA:CPU moves a column
-    window per index slowly (300 rows of 300 into 1024 columns: 1.5 ms; entry by entry 0.3 ms)."""
+    window per index slowly (300 rows of 300 into 1024 columns: 1.5 ms; entry by entry 0.3 ms).
+    ``shapes``, where given, are the shapes of ``v`` and ``u``: where ``index`` is a strided window
+    (:func:`_window`, a slice or pad), the columns are sliced and padded into place instead."""
     if not isinstance(index, np.ndarray):
         columns = lax.broadcast_in_dim(index, rows.shape, (1,))
         return _scattered(lax.broadcasted_iota(np.int32, rows.shape, 0), columns, rows, (rows.shape[0], n), rows.dtype)
+    window = None if shapes is None else _window(index.reshape(shapes[0]), shapes[1])
+    if window is not None:
+        return _window_take(rows, _inverse_window(window), 1, shapes[0], shapes[1])
     picked = np.flatnonzero(index >= 0)
     targets = index[picked]
     if len(np.unique(targets)) == len(targets):  # each column read at most once: a gather
@@ -1370,6 +1376,65 @@ def _scatter_columns(rows, index, n: int):
         source[targets] = picked
         return _take_or_zero(rows, source, axis=1)
     return jnp.zeros((rows.shape[0], n), rows.dtype).at[:, targets].add(rows[:, picked])
+
+
+def _window(index: np.ndarray, src_shape: tuple) -> Optional[tuple]:
+    """A selection's ``index`` (in the destination's shape: per element, the flat index of the element
+    of ``src_shape`` it copies, -1 for none) as a strided window of the same rank, where it is one:
+    per axis ``(dst_start, dst_step, src_start, src_step, count)``, destination coordinates
+    ``dst_start + dst_step * i`` copying source coordinates ``src_start + src_step * i`` for
+    ``i < count``, every other destination element zero. That is a strided slice followed by a pad
+    with interior padding (``x[a:b:s]``, ``jnp.pad``, ``lax.pad``, and each one's transpose), which
+    XLA fuses as such, where a gather by ``index`` is a gather. None where ``index`` is not of that form."""
+    nd = index.ndim
+    if nd != len(src_shape) or not index.size:
+        return None
+    valid = index >= 0
+    runs = []
+    for k in range(nd):
+        at = np.flatnonzero(valid.any(axis=tuple(a for a in range(nd) if a != k)))
+        if not len(at):
+            return None
+        step = int(at[1] - at[0]) if len(at) > 1 else 1
+        if not np.array_equal(at, at[0] + step * np.arange(len(at))):
+            return None
+        runs.append((int(at[0]), step, len(at)))
+    inner = index[tuple(slice(s, s + step * (n - 1) + 1, step) for s, step, n in runs)]
+    if int(np.count_nonzero(valid)) != inner.size or not (inner >= 0).all():
+        return None
+    coords = np.unravel_index(inner.reshape(-1), src_shape)
+    window = []
+    for k, (start, step, n) in enumerate(runs):
+        c = coords[k].reshape(inner.shape)
+        first = int(c.flat[0])
+        src_step = int(np.take(c, 1, axis=k).flat[0]) - first if n > 1 else 1
+        if src_step <= 0 or not (c == first + src_step * np.arange(n).reshape((-1,) + (1,) * (nd - 1 - k))).all():
+            return None
+        window.append((start, step, first, src_step, n))
+    return tuple(window)
+
+
+def _inverse_window(window: tuple) -> tuple:
+    """The window of the transposed selection: source and destination swapped."""
+    return tuple((src, src_step, dst, dst_step, n) for dst, dst_step, src, src_step, n in window)
+
+
+def _window_take(x, window: tuple, axis: int, src_shape: tuple, dst_shape: tuple):
+    """``x`` with its ``axis`` (the flattened ``src_shape``) replaced by the flattened ``dst_shape``,
+    taken through the strided ``window`` (:func:`_window`): one slice and one pad."""
+    lead, rest = tuple(x.shape[:axis]), tuple(x.shape[axis + 1:])
+    v = reshaped(x, lead + tuple(src_shape) + rest)
+    untouched = ((0, v.shape[a], 1) for a in range(len(lead)))
+    cut = [*untouched, *((src, src + src_step * (n - 1) + 1, src_step) for _, _, src, src_step, n in window)]
+    cut += [(0, v.shape[a], 1) for a in range(len(lead) + len(window), v.ndim)]
+    if any(c != (0, v.shape[a], 1) for a, c in enumerate(cut)):
+        v = lax.slice(v, *(tuple(c[j] for c in cut) for j in range(3)))
+    config = [(0, 0, 0)] * len(lead) + [(dst, size - dst - dst_step * (n - 1) - 1, dst_step - 1)
+                                        for (dst, dst_step, _, _, n), size in zip(window, dst_shape)]
+    config += [(0, 0, 0)] * len(rest)
+    if any(c != (0, 0, 0) for c in config):
+        v = lax.pad(v, lax.full((), 0, v.dtype), config)
+    return reshaped(v, lead + (_size(dst_shape),) + rest)
 
 
 def _take_or_zero(x, index: np.ndarray, axis: int):
@@ -1693,11 +1758,17 @@ def selection_from_index(out_shape, in_shape, index: np.ndarray, dtype) -> Linea
     out_shape, in_shape = tuple(out_shape), tuple(in_shape)
     flat = index.reshape(-1)
     n_in = _size(in_shape)
+    window = functools.cache(lambda: _window(index.reshape(out_shape), in_shape))  # (a slice or pad: no gather)
 
     def fn(t):
+        if window() is not None:
+            return _window_take(jnp.reshape(t, (1, n_in)), window(), 1, in_shape, out_shape).reshape(out_shape)
         return _take_or_zero(jnp.reshape(t, (n_in,)), flat, axis=0).reshape(out_shape)
 
     def fn_t(c):  # (the index checks here, not when the selection is made: most are never transposed)
+        if window() is not None:
+            return _window_take(jnp.reshape(c, (1, -1)), _inverse_window(window()), 1, out_shape,
+                                in_shape).reshape(in_shape)
         picked = np.flatnonzero(flat >= 0)
         unique = len(np.unique(flat[picked])) == len(picked)
         rows = jnp.reshape(c, (-1,))[picked]

@@ -1812,3 +1812,45 @@ def test_broadcasts_and_unit_axes_after_known_selections_compose_as_index_arithm
         gathered = [np.prod(e.outvars[0].aval.shape) for e in _equations(jaxpr.jaxpr)
                     if e.primitive in (lax.gather_p, lax.select_n_p)]
         assert max(gathered) < dense / 4, (order, max(gathered))
+
+
+def test_selections_that_are_strided_windows_are_sliced_and_padded_not_gathered():
+    # the transpose of a slice is a pad: a gradient row pulled back through jnp.diff's slices was
+    # gathered at trace-time indices and masked (total variation of a 64 x 64 image: rev 210 us,
+    # jax.jacrev 72 us); as slice and pad, 62 us
+    def tv(img):
+        dx = jnp.diff(img, axis=1)[:-1]
+        dy = jnp.diff(img, axis=0)[:, :-1]
+        smooth = jnp.sum(jnp.diff(img, n=2, axis=0) ** 2)
+        strided = img[1::3, ::2] * lax.pad(img[::2, 1::2], 0.0, ((0, 0, 0), (1, -1, 0)))[:6, :6]
+        holes = lax.pad(img[2:5, 1:4], 0.0, ((1, 0, 2), (0, 2, 1)))  # interior padding
+        return jnp.sum(jnp.sqrt(dx ** 2 + dy ** 2 + 1e-6)) + smooth + jnp.sum(strided ** 2) + jnp.sum(jnp.sin(holes))
+
+    img = jnp.asarray(np.random.default_rng(1).standard_normal((17, 12)), jnp.float32)
+    want = jax.jacrev(tv)(img)
+    assert_orders_match(tv, (img,), 0, want, lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 4, seed=2),
+                        rtol=1e-4, atol=1e-5, staged=True)
+    jaxpr = jax.make_jaxpr(jaxtool.jacve(tv, "rev"))(img)
+    assert not [e for e in _equations(jaxpr.jaxpr) if e.primitive in (lax.gather_p, lax.scatter_add_p)]
+
+
+def test_strided_windows_are_recognised_exactly():
+    rng = np.random.default_rng(3)
+    src_shape = (7, 9)
+    numbers = np.arange(63).reshape(src_shape)
+    windows = [numbers[1:6:2, ::4], numbers[::3, 2:3], numbers[4:5, 8:9], numbers]
+    x = jnp.asarray(rng.standard_normal((2, 63)), jnp.float32)
+    for cut in windows:
+        for config in [((0, 0, 0), (0, 0, 0)), ((2, 1, 0), (0, 3, 2)), ((0, 0, 1), (1, 0, 0))]:
+            index = np.asarray(lax.pad(jnp.asarray(cut), -1, config))
+            window = partials._window(index, src_shape)
+            assert window is not None, (cut.shape, config)
+            got = partials._window_take(x, window, 1, src_shape, index.shape)
+            want = partials._take_or_zero(x, index.reshape(-1), axis=1)
+            np.testing.assert_array_equal(got, want)
+            back = partials._window_take(got, partials._inverse_window(window), 1, index.shape, src_shape)
+            np.testing.assert_array_equal(back, partials._scatter_columns(got, index.reshape(-1), 63))
+    # reversed, transposed, gathered rows, holes off a grid, nothing selected, a reshaped slice: no window
+    for index in (numbers[::-1], numbers.T[:7, :7], numbers[[0, 2, 3]], np.where(numbers % 5 == 0, numbers, -1),
+                  np.full(src_shape, -1), numbers[:, :3].reshape(3, 7)):
+        assert partials._window(index, src_shape) is None, index
