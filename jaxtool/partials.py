@@ -444,8 +444,10 @@ class Linear(Partial):
     #: order of the parts (``len(parts) * n_out``), so that products and densification read them
     #: at once instead of stacking the parts' scales again
     stacked: Optional[jax.Array] = field(default=None, compare=False)
-    #: for one partial of an opaque equation: ``(pullbacks, i)``, the equation's :class:`JointPullback`
-    #: for this output and this partial's input position, so that one VJP serves all its inputs
+    #: for one partial of an opaque equation: ``(pullbacks, i, after)``, the equation's
+    #: :class:`JointPullback` for this output and this partial's input position, so that one VJP serves
+    #: all its inputs; ``after`` (None: none) maps a cotangent of that input on to this partial's input,
+    #: where this is the partial after a (permuted) diagonal (``exp`` of the parameters of a ``scan``)
     joint: Optional[tuple] = field(default=None, compare=False)
     #: how deeply ``fn`` and ``fn_t`` nest calls of other Linears' functions, those applied first
     #: (:func:`_warm`) not counted: ``(forward, backward)`` (see :func:`_nesting`, :func:`_bounded`)
@@ -531,7 +533,7 @@ class Linear(Partial):
         return cast(_zero_unless(one_hot, cast(scale, self.dtype)), self.dtype)
 
     def _joint(self):
-        """``(pullbacks, i)`` where one VJP of the whole equation can stand for this partial's."""
+        """``(pullbacks, i, after)`` where one VJP of the whole equation can stand for this partial's."""
         if self.joint is None or self.has_scale or self.fn is None or not self.joint[0].usable():
             return None
         return self.joint
@@ -550,9 +552,9 @@ class Linear(Partial):
         """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""
         n_in, n_out = _size(self.in_shape), _size(self.out_shape)
         if self.joint is not None and n_out < self.joint[0].total_in and self._joint() is not None:
-            pullbacks, i = self.joint  # rows of all of the equation's blocks at once
-            rows = pullbacks.pull(pullbacks, jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape))
-            return rows[i].reshape(self.shape)
+            pullbacks, i, after = self.joint  # rows of all of the equation's blocks at once
+            rows = pullbacks.pull(pullbacks, jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape))[i]
+            return (rows if after is None else _vmapped(after, rows)).reshape(self.shape)
         if self.parts or self.selection:
             parts = self.parts or (self,)
             if n_out * n_in > SMALL_DENSE or any(p.index is None for p in parts):
@@ -1271,8 +1273,9 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
                                   reshaped(_index_of(a), (_size(a.out_shape),)), _size(a.in_shape),
                                   (a.out_shape, a.in_shape))
     elif a._joint() is not None:  # the same rows pulled back through all inputs of a's equation at once
-        pullbacks, i = a._joint()
+        pullbacks, i, after = a._joint()
         pulled = pullbacks.pull(b, cast(block, a.dtype))[i]
+        pulled = pulled if after is None else _vmapped(after, pulled)
     elif _transposable(a):
         pulled = _vmapped(a.apply_t, cast(block, a.dtype))
     else:  # JAX cannot transpose a (a while loop's JVP): the rows times a densified by columns
@@ -1538,17 +1541,22 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
         transposable = _transposable(b)
         if embed:
             fn = lambda t: b.forward()(a.val * tr(t))  # noqa: E731
-            fn_t = (lambda c: untr(a.val * b.backward()(c))) if transposable else None
+            a_t = lambda c: untr(a.val * c)  # noqa: E731
         else:
             fn = lambda t: b.forward()(tr(t))  # noqa: E731
-            fn_t = (lambda c: untr(b.backward()(c))) if transposable else None
+            a_t = untr
+        fn_t = (lambda c: a_t(b.backward()(c))) if transposable else None
+        joint = None
+        if b.joint is not None and not b.has_scale:  # its rows from the equation's one VJP, then a's transpose
+            pullbacks, i, b_after = b.joint
+            joint = (pullbacks, i, a_t if b_after is None else (lambda c: a_t(b_after(c))))
         scale = b.scale
         if push:
             pushed = fb(jnp.broadcast_to(a.val, a.out_shape).astype(b.dtype))
             scale = pushed * b.scale if b.has_scale else pushed
         calls = ((b, None if not embed and a.pairs == tuple(range(len(a.pairs))) else object(), None),)
         return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
-                                              calls=calls)), cost
+                                              calls=calls, joint=joint)), cost
     # general: columns of a (dense over v) pushed through b
     nv = len(a.out_shape)
     col_shape = a.dense_val_shape[nv:]

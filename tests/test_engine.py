@@ -830,6 +830,30 @@ def test_an_opaque_equation_is_pulled_back_once_for_all_its_inputs():
                          jax.jacfwd(loop, argnums=(0, 1))(x, y), rtol=1e-4, atol=1e-5)
 
 
+
+def test_an_opaque_equation_after_a_diagonal_is_still_pulled_back_once():
+    # rates = exp(log_rates) feed an ODE scan: that partial after exp's diagonal was densified by its
+    # own JVP (a scan of its columns) besides the equation's joint VJP that every other input's block
+    # came from (mass-action kinetics, 100 Euler steps: 610 -> 470 us, one CPU, interleaved)
+    def kinetics(log_rates, c0):
+        k = jnp.exp(log_rates)
+
+        def step(c, _):
+            return c + 0.01 * (k[0] * c - k[1] * c ** 2 + k[2] * jnp.roll(c, 1)), None
+
+        return lax.scan(step, c0, None, length=50)[0]
+
+    args = (jnp.asarray([0.1, -0.2, 0.3], jnp.float32), jnp.linspace(0.5, 1.5, 5, dtype=jnp.float32))
+    # the VJP's forward scan and its transposed scan, no JVP's scan; the primal's too where it is used
+    for fun, loops in ((kinetics, 2), (lambda p, c: kinetics(2.0 * jnp.sin(p), c), 2),  # diagonals after diagonals
+                       (lambda p, c: jnp.tanh(kinetics(p, c)) ** 2, 3)):  # rows pulled back through the scan
+        want = jax.jacrev(fun, argnums=(0, 1))(*args)
+        for order in ("fwd", "rev", "markowitz"):
+            got = jaxtool.jacve(fun, order=order, argnums=(0, 1))(*args)
+            assert_same_jacobian(got, want, rtol=1e-4, atol=1e-5)
+            compiled = jax.jit(jaxtool.jacve(fun, order=order, argnums=(0, 1))).lower(*args).compile()
+            assert compiled.as_text().count(" while(") == loops, order
+
 #: every elementwise primitive the engine's issue names, applied where its derivative is finite:
 #: (lax function, map of an input in (-1, 1) into its domain); each must keep a diagonal partial
 ELEMENTWISE_PRIMITIVES = {
