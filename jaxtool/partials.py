@@ -444,10 +444,11 @@ class Linear(Partial):
     #: order of the parts (``len(parts) * n_out``), so that products and densification read them
     #: at once instead of stacking the parts' scales again
     stacked: Optional[jax.Array] = field(default=None, compare=False)
-    #: for one partial of an opaque equation: ``(pullbacks, i, after)``, the equation's
-    #: :class:`JointPullback` for this output and this partial's input position, so that one VJP serves
-    #: all its inputs; ``after`` (None: none) maps a cotangent of that input on to this partial's input,
-    #: where this is the partial after a (permuted) diagonal (``exp`` of the parameters of a ``scan``)
+    #: for a partial of an opaque equation: ``(pullbacks, terms)``, the equation's :class:`JointPullback`
+    #: for this output, so that one VJP serves all its inputs, and per term ``(i, after)``: an input
+    #: position of the equation and the map of a cotangent of that input on to this partial's input
+    #: (None: the same). One term for the partial itself; more for the sum of the partials of an input
+    #: the equation reads twice; ``after`` for the partial after a linear map (:func:`_joint_after`)
     joint: Optional[tuple] = field(default=None, compare=False)
     #: how deeply ``fn`` and ``fn_t`` nest calls of other Linears' functions, those applied first
     #: (:func:`_warm`) not counted: ``(forward, backward)`` (see :func:`_nesting`, :func:`_bounded`)
@@ -533,7 +534,7 @@ class Linear(Partial):
         return cast(_zero_unless(one_hot, cast(scale, self.dtype)), self.dtype)
 
     def _joint(self):
-        """``(pullbacks, i, after)`` where one VJP of the whole equation can stand for this partial's."""
+        """``(pullbacks, terms)`` where one VJP of the whole equation can stand for this partial's."""
         if self.joint is None or self.has_scale or self.fn is None or not self.joint[0].usable():
             return None
         return self.joint
@@ -552,9 +553,9 @@ class Linear(Partial):
         """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""
         n_in, n_out = _size(self.in_shape), _size(self.out_shape)
         if self.joint is not None and n_out < self.joint[0].total_in and self._joint() is not None:
-            pullbacks, i, after = self.joint  # rows of all of the equation's blocks at once
-            rows = pullbacks.pull(pullbacks, jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape))[i]
-            return (rows if after is None else _vmapped(after, rows)).reshape(self.shape)
+            # rows of all of the equation's blocks at once
+            rows = _joint_rows(self.joint, None, jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape))
+            return rows.reshape(self.shape)
         if self.parts or self.selection:
             parts = self.parts or (self,)
             if n_out * n_in > SMALL_DENSE or any(p.index is None for p in parts):
@@ -1196,8 +1197,11 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
             fn_t = lambda c: a.backward()(b.backward()(c))  # noqa: E731
     inner = object() if embed else a  # what b's argument is made from: new per composition, or a's result
     calls = ((a, None, object() if embed else b), (b, inner, None))
+    joint = None
+    if fn_t is not None and not push:  # b's rows from its equation's one VJP, then a's transpose
+        joint = _joint_after(b, (lambda c: a.backward()(a.scale * c)) if embed else (lambda c: a.backward()(c)))
     return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
-                                          calls=calls)), cost
+                                          calls=calls, joint=joint)), cost
 
 
 def _zero_where_unselected(x: Linear) -> Linear:
@@ -1273,9 +1277,7 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
                                   reshaped(_index_of(a), (_size(a.out_shape),)), _size(a.in_shape),
                                   (a.out_shape, a.in_shape))
     elif a._joint() is not None:  # the same rows pulled back through all inputs of a's equation at once
-        pullbacks, i, after = a._joint()
-        pulled = pullbacks.pull(b, cast(block, a.dtype))[i]
-        pulled = pulled if after is None else _vmapped(after, pulled)
+        pulled = _joint_rows(a.joint, b, cast(block, a.dtype))
     elif _transposable(a):
         pulled = _vmapped(a.apply_t, cast(block, a.dtype))
     else:  # JAX cannot transpose a (a while loop's JVP): the rows times a densified by columns
@@ -1322,6 +1324,29 @@ class JointPullback:
         if key not in self._memo:
             self._memo[key] = (source, _vmapped(self._vjp, block))  # the source kept alive: its id stays its own
         return self._memo[key][1]
+
+
+def _joint_rows(joint: tuple, source, block):
+    """The cotangents ``block`` (leading axis: rows, from ``source``: see :meth:`JointPullback.pull`;
+    None: the identity rows of densifying) pulled back through a partial with this ``joint``: the
+    equation's one VJP, each term's input's cotangents mapped on by its ``after``, summed."""
+    pullbacks, terms = joint
+    pulled = pullbacks.pull(pullbacks if source is None else source, block)
+    total = None
+    for i, after in terms:
+        rows = pulled[i] if after is None else _vmapped(after, pulled[i])
+        total = rows if total is None else lax.add(total, cast(rows, total.dtype))
+    return total
+
+
+def _joint_after(b: Linear, a_t: Callable) -> Optional[tuple]:
+    """The joint of ``b o a`` for an opaque partial ``b`` with a joint (:attr:`Linear.joint`, no scale)
+    after a linear map ``a`` whose transpose is ``a_t``: the same VJP, each term's cotangents then
+    mapped through ``a_t``; None where ``b`` has none."""
+    if b.joint is None or b.has_scale:
+        return None
+    pullbacks, terms = b.joint
+    return pullbacks, tuple((i, a_t if after is None else (lambda c, after=after: a_t(after(c)))) for i, after in terms)
 
 
 def _rows_through_index(b: Sparse, a: Linear, row_shape: tuple, dtype):
@@ -1546,10 +1571,7 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
             fn = lambda t: b.forward()(tr(t))  # noqa: E731
             a_t = untr
         fn_t = (lambda c: a_t(b.backward()(c))) if transposable else None
-        joint = None
-        if b.joint is not None and not b.has_scale:  # its rows from the equation's one VJP, then a's transpose
-            pullbacks, i, b_after = b.joint
-            joint = (pullbacks, i, a_t if b_after is None else (lambda c: a_t(b_after(c))))
+        joint = _joint_after(b, a_t)
         scale = b.scale
         if push:
             pushed = fb(jnp.broadcast_to(a.val, a.out_shape).astype(b.dtype))
@@ -1657,7 +1679,10 @@ def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
     fn = lambda t: x.apply(t) + y.apply(t)  # noqa: E731
     fn_t = (lambda c: x.apply_t(c) + y.apply_t(c)) if _transposable(x) and _transposable(y) else None  # noqa: E731
     calls = _summed_calls((x, y))
-    return replace(result, fn=fn, fn_t=fn_t, depth=_nesting(calls, dtype), calls=calls), cost
+    joint = None  # the partials of an input the equation reads twice: one VJP, both terms
+    if x.joint is not None and y.joint is not None and x.joint[0] is y.joint[0] and not (x.has_scale or y.has_scale):
+        joint = (x.joint[0], x.joint[1] + y.joint[1])
+    return replace(result, fn=fn, fn_t=fn_t, depth=_nesting(calls, dtype), calls=calls, joint=joint), cost
 
 
 def _summed_calls(terms) -> tuple:

@@ -1040,7 +1040,7 @@ def opaque(eqn, invals, outvals, wrt):
              for k in outs}
     return [(i, k, replace(_linear_from_jvp(eqn, invals, outvals, i, k, selection=False, flops=n_out, opaque=True,
                                             carrying=wrt),
-                           joint=(joint[k], n, None)))
+                           joint=(joint[k], ((n, None),))))
             for n, i in enumerate(wrt) for k in outs]
 
 

@@ -854,6 +854,29 @@ def test_an_opaque_equation_after_a_diagonal_is_still_pulled_back_once():
             compiled = jax.jit(jaxtool.jacve(fun, order=order, argnums=(0, 1))).lower(*args).compile()
             assert compiled.as_text().count(" while(") == loops, order
 
+
+def test_an_input_an_opaque_equation_reads_twice_or_through_a_selection_is_pulled_back_once():
+    # a Chebyshev recurrence reads x as a constant and as a carry, and c through a slice: the sum of
+    # x's two partials and the slice's composition each densified by their own JVP or VJP scans
+    # (300 points, 16 coefficients: 2.7 ms in rev order, 1.8 ms as one VJP; jax.jacrev 1.8 ms)
+    def chebyshev(c, x):
+        def step(carry, ci):
+            t0, t1, acc = carry
+            t2 = 2 * x * t1 - t0
+            return (t1, t2, acc + ci * t2), None
+
+        return lax.scan(step, (jnp.ones_like(x), x, x * c[0]), c[1:])[0][2]
+
+    args = (jnp.linspace(-0.3, 0.3, 6, dtype=jnp.float32), jnp.linspace(-0.9, 0.9, 7, dtype=jnp.float32))
+    want = jax.jacrev(chebyshev, argnums=(0, 1))(*args)
+    problem = trace_problem(chebyshev, *args, argnums=(0, 1))
+    for order in ["fwd", "rev", "markowitz"] + random_orders(problem, 3, seed=5):
+        got = jaxtool.jacve(chebyshev, order=order, argnums=(0, 1))(*args)
+        assert_same_jacobian(got, want, rtol=1e-5, atol=1e-5)
+    for order in ("fwd", "rev", "markowitz"):
+        compiled = jax.jit(jaxtool.jacve(chebyshev, order=order, argnums=(0, 1))).lower(*args).compile()
+        assert compiled.as_text().count(" while(") == 2, order  # the VJP's forward and transposed scans
+
 #: every elementwise primitive the engine's issue names, applied where its derivative is finite:
 #: (lax function, map of an input in (-1, 1) into its domain); each must keep a diagonal partial
 ELEMENTWISE_PRIMITIVES = {
