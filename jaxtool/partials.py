@@ -1198,7 +1198,9 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
     inner = object() if embed else a  # what b's argument is made from: new per composition, or a's result
     calls = ((a, None, object() if embed else b), (b, inner, None))
     joint = None
-    if fn_t is not None and not push:  # b's rows from its equation's one VJP, then a's transpose
+    # b's rows from its equation's one VJP, then the transpose of a selection a (a slice, a gather): not
+    # of a composition, whose transpose each use of the rows would trace anew (a chain of scatters)
+    if fn_t is not None and not push and a.index is not None and not a.calls:
         joint = _joint_after(b, (lambda c: a.backward()(a.scale * c)) if embed else (lambda c: a.backward()(c)))
     return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
                                           calls=calls, joint=joint)), cost
@@ -1452,11 +1454,11 @@ def _window_take(x, window: tuple, axis: int, src_shape: tuple, dst_shape: tuple
     taken through the strided ``window`` (:func:`_window`): one slice and one pad."""
     lead, rest = tuple(x.shape[:axis]), tuple(x.shape[axis + 1:])
     v = reshaped(x, lead + tuple(src_shape) + rest)
-    untouched = ((0, v.shape[a], 1) for a in range(len(lead)))
-    cut = [*untouched, *((src, src + src_step * (n - 1) + 1, src_step) for _, _, src, src_step, n in window)]
-    cut += [(0, v.shape[a], 1) for a in range(len(lead) + len(window), v.ndim)]
-    if any(c != (0, v.shape[a], 1) for a, c in enumerate(cut)):
-        v = lax.slice(v, *(tuple(c[j] for c in cut) for j in range(3)))
+    whole = [(0, n, 1) for n in lead]
+    cut = whole + [(src, src + src_step * (n - 1) + 1, src_step) for _, _, src, src_step, n in window]
+    cut += [(0, n, 1) for n in rest]
+    if cut != [(0, n, 1) for n in v.shape]:
+        v = lax.slice(v, *zip(*cut))
     config = [(0, 0, 0)] * len(lead) + [(dst, size - dst - dst_step * (n - 1) - 1, dst_step - 1)
                                         for (dst, dst_step, _, _, n), size in zip(window, dst_shape)]
     config += [(0, 0, 0)] * len(rest)
