@@ -1189,19 +1189,16 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
         else:
             pushed = fb(pushed)
         scale = pushed * b.scale if b.has_scale else pushed
-    fn_t = None
-    if _transposable(a) and _transposable(b):
-        if embed:
-            fn_t = lambda c: a.backward()(a.scale * b.backward()(c))  # noqa: E731
-        else:
-            fn_t = lambda c: a.backward()(b.backward()(c))  # noqa: E731
+    # the transpose of a, with the scale b does not take where embedded
+    a_t = (lambda c: a.backward()(a.scale * c)) if embed else (lambda c: a.backward()(c))
+    fn_t = (lambda c: a_t(b.backward()(c))) if _transposable(a) and _transposable(b) else None
     inner = object() if embed else a  # what b's argument is made from: new per composition, or a's result
     calls = ((a, None, object() if embed else b), (b, inner, None))
     joint = None
     # b's rows from its equation's one VJP, then the transpose of a selection a (a slice, a gather): not
     # of a composition, whose transpose each use of the rows would trace anew (a chain of scatters)
     if fn_t is not None and not push and a.index is not None and not a.calls:
-        joint = _joint_after(b, (lambda c: a.backward()(a.scale * c)) if embed else (lambda c: a.backward()(c)))
+        joint = _joint_after(b, a_t)
     return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
                                           calls=calls, joint=joint)), cost
 
