@@ -16,6 +16,7 @@ from jaxtool.graph import flatten
 from jaxtool.orders import parse_order, resolve_order, vertex_numbers
 from jaxtool.partials import clear_plan_caches
 from jaxtool.rules import leaked_rule_error
+from jaxtool.sharing import call_sharing_scalars, of_scalars
 
 
 def _argnums(argnums):
@@ -176,11 +177,16 @@ class _StagedJacobian:
         return jax.tree_util.tree_unflatten(out_tree, inner), list(problem.out_values[n_out:]), aux_tree, static
 
     def staged_parts(self, kinds, static, call_tree, *dynamic):
-        args, kwargs = _merge(static, call_tree, dynamic)
-        result, arrays, aux_tree, static_aux = self.parts(kinds, *args, **kwargs)
-        if self.has_aux:
-            self.aux_layouts[static, _signature(args, kwargs)] = (aux_tree, static_aux)
-        return result, arrays
+        def emit(*dynamic):
+            args, kwargs = _merge(static, call_tree, dynamic)
+            result, arrays, aux_tree, static_aux = self.parts(kinds, *args, **kwargs)
+            if self.has_aux:
+                self.aux_layouts[static, _signature(args, kwargs)] = (aux_tree, static_aux)
+            return result, arrays
+
+        if of_scalars(dynamic):
+            return call_sharing_scalars(emit, dynamic)
+        return emit(*dynamic)
 
     def with_aux(self, result, arrays, aux_tree, static):
         if not self.has_aux:

@@ -31,6 +31,7 @@ from jaxtool.graph import NUMPY_RULES, FlatEqn, bind
 from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, cast, reshaped, selection_from_index,
                               sum_of_selections)
 from jaxtool.printing import subjaxprs
+from jaxtool.sharing import materialize_p
 
 Rule = Callable  # (eqn, invals, outvals, wrt) -> list[(int, int, Partial)]
 RULES: dict = {}
@@ -254,6 +255,12 @@ def identity(eqn, invals, outvals, wrt):
     if not _float_outputs(outvals):
         return []
     return [(i, 0, Sparse.identity(_shape(outvals[0]), jax.typeof(outvals[0]).dtype)) for i in wrt]
+
+
+@register(materialize_p)
+def materialized(eqn, invals, outvals, wrt):
+    """Each output is its input (:mod:`jaxtool.sharing`, in the Jacobians ``jacve`` stages)."""
+    return [(i, i, Sparse.identity(_shape(outvals[i]), jax.typeof(outvals[i]).dtype)) for i in wrt]
 
 
 @register(P.stop_gradient_p, P.sign_p, P.round_p, P.floor_p, P.ceil_p)
