@@ -13,15 +13,17 @@ thread, and hands any other call to a worker thread (20-40 us on a 2-CPU VM; ``m
 XLA copies a value into its consumers' kernels only if every consumer can take it in. A
 concatenation of more than 8 operands cannot: XLA:CPU emits it as a kernel of its own. So
 :data:`materialize_p` gathers each stage's shared scalars into rows of at most 8 (a row's
-concatenation fuses with the arithmetic that makes its values: one kernel per row), concatenates
-9 or more rows (repeating the first where there are fewer), and reads each value back from that
-buffer with a gather at a constant index. roe_flux_1d's Jacobian then compiles to 599 flops in 67
-kernels and runs on the calling thread.
+concatenation fuses with the arithmetic that makes its values: one kernel per row; rows are 1 x 8
+arrays, as XLA would merge 1-D concatenations of 1-D concatenations into one), concatenates 9 or
+more rows (repeating the first where there are fewer), and reads each value back from that buffer
+with a gather at constant indices. roe_flux_1d's reverse-order Jacobian then compiles to 504 flops
+in 72 kernels and runs on the calling thread. Programs that XLA:CPU would run there anyway are
+left as they are (:func:`_copied_flops`): for them the extra kernels would only cost.
 
 This is a property of XLA:CPU's fusion heuristics, so :data:`materialize_p` is lowered so only for
-CPU; elsewhere, and under ``jax.vmap`` (where the values are batches, and copying a batch
-into each kernel costs less than a round trip through memory), it is the identity. Its
-derivatives are the identity too.
+CPU; elsewhere, and under ``jax.vmap`` (where the values are batches, and copying a batch into each
+kernel cost less than a round trip through memory: roe_flux_1d over 1024 points, 263 us as it is
+and 401 us so), it is the identity. Its derivatives are the identity too.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 from jax.interpreters import ad, batching, mlir
@@ -41,10 +44,18 @@ ROW = 8
 #: rows at least: a concatenation of more operands than ROW is a kernel of its own
 ROWS = ROW + 1
 
-#: the cheap elementwise primitives of two or more operands whose results XLA:CPU copies into
-#: every kernel that reads them (a unary one reads no more than its copy would, and expensive ones,
-#: division included, XLA:CPU computes once already)
-_COPIED = frozenset({P.mul_p, P.add_p, P.sub_p, P.max_p, P.min_p, P.select_n_p, P.clamp_p, ad.add_jaxvals_p})
+#: elementwise primitives XLA:CPU copies into every kernel that reads their result (it computes
+#: division, roots, exp, log and the like once, in a kernel of their own), with the operations each
+#: amounts to: erf and its kin are expanded into polynomials of tens of operations
+_COPIED = {p: 1 for p in (P.mul_p, P.add_p, P.sub_p, P.max_p, P.min_p, P.select_n_p, P.clamp_p, ad.add_jaxvals_p,
+                          P.neg_p, P.abs_p, P.sign_p, P.square_p, P.integer_pow_p, P.sin_p, P.cos_p,
+                          P.convert_element_type_p, P.copy_p)}
+_COPIED.update({p: 20 for p in (P.erf_p, P.erfc_p, P.erf_inv_p, P.lgamma_p, P.digamma_p)})
+#: a value read by several kernels is made once if a copy of it would cost at least this many
+#: operations, or if it reads two values or more (copying it then reads more than the copy saves)
+COPY_COST = 3
+#: XLA:CPU runs a call whose compiled program it counts at fewer flops than this on the calling thread
+CHEAP_FLOPS = 1000
 
 materialize_p = jcore.Primitive("materialize_scalars")
 materialize_p.multiple_results = True
@@ -55,12 +66,16 @@ mlir.register_lowering(materialize_p, mlir.lower_fun(lambda *xs: list(xs), multi
 
 def _through_one_buffer(*xs):
     """``xs`` (scalars of one dtype), each read back from one buffer that XLA:CPU computes once."""
-    values = list(xs) + [xs[0]] * (-len(xs) % ROW)
-    rows = [jnp.stack(values[i:i + ROW])[None] for i in range(0, len(values), ROW)]
+    count = len(xs)
+    values = [lax.reshape(x, (1, 1)) for x in xs]
+    values += values[:1] * (-count % ROW)
+    rows = [lax.concatenate(values[i:i + ROW], 1) for i in range(0, len(values), ROW)]
     rows += rows[:1] * (ROWS - len(rows))
-    buffer = jnp.concatenate(rows).reshape(-1)
-    taken = buffer.at[np.arange(len(xs))].get(mode="promise_in_bounds")
-    return [taken[i] for i in range(len(xs))]
+    buffer = lax.reshape(lax.concatenate(rows, 0), (len(rows) * ROW,))
+    taken = lax.gather(buffer, np.arange(count, dtype=np.int32)[:, None],
+                       lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,)),
+                       slice_sizes=(1,), mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return [lax.reshape(lax.slice(taken, (i,), (i + 1,)), ()) for i in range(count)]
 
 
 mlir.register_lowering(materialize_p, mlir.lower_fun(_through_one_buffer, multiple_results=True),
@@ -86,14 +101,43 @@ def of_scalars(args) -> bool:
     return bool(floats) and all(jax.typeof(x).shape == () for x in floats)
 
 
-def _is_shared(eqn, uses) -> bool:
-    """Whether ``eqn`` makes a scalar that XLA:CPU would copy into each of several kernels."""
-    if eqn.primitive not in _COPIED or len(eqn.outvars) != 1:
-        return False
-    aval = eqn.outvars[0].aval
-    operands = {v for v in eqn.invars if not isinstance(v, jcore.Literal)}
-    return (aval.shape == () and jnp.issubdtype(aval.dtype, jnp.floating) and len(operands) >= 2
-            and uses[eqn.outvars[0]] >= 2)
+def _shared(jaxpr, uses) -> set:
+    """The scalars of ``jaxpr`` that XLA:CPU would copy into each of several kernels, where a copy
+    costs enough (:data:`COPY_COST`): a copy of a value repeats every copied operation back to the
+    values made once (inputs, shared values, the results of other primitives)."""
+    shared, cost = set(), {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive not in _COPIED or len(eqn.outvars) != 1:
+            continue
+        out = eqn.outvars[0]
+        operands = {v for v in eqn.invars if not isinstance(v, jcore.Literal)}
+        cost[out] = _COPIED[eqn.primitive] + sum(cost.get(v, 0) for v in operands)
+        if (out.aval.shape == () and jnp.issubdtype(out.aval.dtype, jnp.floating) and uses[out] >= 2
+                and (len(operands) >= 2 or cost[out] >= COPY_COST)):
+            shared.add(out)
+            cost[out] = 0
+    return shared
+
+
+def _copied_flops(jaxpr) -> int:
+    """About the flops XLA:CPU counts in ``jaxpr`` compiled as it is: a kernel per output and per
+    equation of another primitive, each holding the copied operations its operands are made of."""
+    made_by = {eqn.outvars[0]: eqn for eqn in jaxpr.eqns if eqn.primitive in _COPIED and len(eqn.outvars) == 1}
+
+    def copies(values) -> int:
+        seen, stack, flops = set(), [v for v in values if not isinstance(v, jcore.Literal)], 0
+        while stack:
+            eqn = made_by.get(stack.pop())
+            if eqn is not None and id(eqn) not in seen:
+                seen.add(id(eqn))
+                flops += _COPIED[eqn.primitive]
+                stack.extend(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+        return flops
+
+    copied = {id(eqn) for eqn in made_by.values()}
+    kernels = [eqn.invars for eqn in jaxpr.eqns if id(eqn) not in copied]
+    kernels += [[v] for v in {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}]
+    return sum(copies(operands) + 1 for operands in kernels)
 
 
 def _stages(jaxpr, shared) -> list:
@@ -112,15 +156,17 @@ def call_sharing_scalars(fun, args) -> object:
     """``fun(*args)``, with the scalars that its computation shares made once on XLA:CPU: ``fun``
     is traced to a jaxpr, whose equations are replayed stage by stage (:func:`_stages`), each
     stage's shared scalars passed through :data:`materialize_p` before the next stage reads them.
-    A jaxpr with effects is replayed as it is (reordering could reorder its effects)."""
+    It is replayed as it is where XLA:CPU would run it on the calling thread anyway
+    (:func:`_copied_flops` under :data:`CHEAP_FLOPS`: more kernels would only cost), and where it
+    has effects (reordering could reorder them)."""
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     out_tree = jax.tree_util.tree_structure(out_shape)
     jaxpr = closed.jaxpr
-    if jaxpr.effects:
-        return jax.tree_util.tree_unflatten(out_tree, jcore.jaxpr_as_fun(closed)(*args))
     uses = collections.Counter(v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jcore.Literal))
     uses.update(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
-    shared = {eqn.outvars[0] for eqn in jaxpr.eqns if _is_shared(eqn, uses)}
+    shared = _shared(jaxpr, uses)
+    if not shared or jaxpr.effects or _copied_flops(jaxpr) < CHEAP_FLOPS:
+        return jax.tree_util.tree_unflatten(out_tree, jcore.jaxpr_as_fun(closed)(*args))
     stages = _stages(jaxpr, shared)
     env = dict(zip(jaxpr.constvars, closed.consts))
     env.update(zip(jaxpr.invars, args))

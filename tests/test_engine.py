@@ -556,7 +556,10 @@ def test_shared_scalars_are_computed_once_on_cpu(monkeypatch):
     ``materialize_scalars`` (:mod:`jaxtool.sharing`), so that XLA:CPU computes them once instead of
     in every entry's kernel. Jacobians unchanged in every order, through vmap, jit and second
     derivatives; fewer compiled flops than without it, and for roe_flux_1d fewer than the 1000
-    below which XLA:CPU runs a call on the calling thread."""
+    below which XLA:CPU runs a call on the calling thread. A program that is under that line as it
+    is keeps its kernels (here: forced, to test the replay on a few more primitives)."""
+    from jaxtool import sharing
+
     roe, roe_args = load_sample("roe_flux_1d")
 
     def scalars(a, b, c, k=2):  # x*x, a closed-over NumPy constant, an output that is an input, where, max
@@ -565,6 +568,9 @@ def test_shared_scalars_are_computed_once_on_cpu(monkeypatch):
         return {"r": r, "s": [r * p + q * c * k, r * q * p, a], "t": jnp.sin(r) * q}
 
     x = (jnp.float32(0.3), jnp.float32(1.7), jnp.float32(-0.4))
+    assert "materialize_scalars" not in str(jax.make_jaxpr(jaxtool.jacve(scalars, argnums=(0, 1, 2)))(*x))
+    monkeypatch.setattr(sharing, "CHEAP_FLOPS", 0)
+    jaxtool.jacobian.clear_caches()
     cases = [(roe, roe_args, tuple(range(6))), (scalars, x, (0, 1, 2))]
     for fun, args, argnums in cases:
         want = jax.jacrev(fun, argnums=argnums)(*args)
@@ -587,6 +593,8 @@ def test_shared_scalars_are_computed_once_on_cpu(monkeypatch):
                          rtol=1e-4, atol=1e-5)
     assert " gather(" not in jax.jit(batched).lower(*batch).compile().as_text()  # the identity, batched
     # what it is for
+    monkeypatch.setattr(sharing, "CHEAP_FLOPS", 1000)
+    jaxtool.jacobian.clear_caches()
     shared = _compiled_flops(jaxtool.jacve(roe, order="rev", argnums=tuple(range(6))), *roe_args)
     jaxtool.jacobian.clear_caches()
     monkeypatch.setattr(jaxtool.jacobian, "of_scalars", lambda args: False)
