@@ -592,6 +592,8 @@ def test_shared_scalars_are_computed_once_on_cpu(monkeypatch):
     assert_same_jacobian(batched(*batch), jax.vmap(jax.jacrev(roe, argnums=tuple(range(6))))(*batch),
                          rtol=1e-4, atol=1e-5)
     assert " gather(" not in jax.jit(batched).lower(*batch).compile().as_text()  # the identity, batched
+    on_gpu = jax.jit(jaxtool.jacve(roe, argnums=tuple(range(6)))).trace(*roe_args).lower(lowering_platforms=("cuda",))
+    assert "gather" not in on_gpu.as_text()  # and on other platforms
     # what it is for
     monkeypatch.setattr(sharing, "CHEAP_FLOPS", 1000)
     jaxtool.jacobian.clear_caches()
