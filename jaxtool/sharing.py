@@ -17,8 +17,8 @@ concatenation fuses with the arithmetic that makes its values: one kernel per ro
 arrays, as XLA would merge 1-D concatenations of 1-D concatenations into one), concatenates 9 or
 more rows (repeating the first where there are fewer), and reads each value back from that buffer
 with a gather at constant indices. roe_flux_1d's reverse-order Jacobian then compiles to 504 flops
-in 72 kernels and runs on the calling thread. Programs that XLA:CPU would run there anyway are
-left as they are (:func:`_copied_flops`): for them the extra kernels would only cost.
+in 72 kernels and runs on the calling thread. Only programs that this takes under the line are
+changed (:func:`crosses_the_line`): elsewhere the extra kernels cost more than the copies they save.
 
 This is a property of XLA:CPU's fusion heuristics, so :data:`materialize_p` is lowered so only for
 CPU; elsewhere, and under ``jax.vmap`` (where the values are batches, and copying a batch into each
@@ -119,10 +119,12 @@ def _shared(jaxpr, uses) -> set:
     return shared
 
 
-def _copied_flops(jaxpr) -> int:
-    """About the flops XLA:CPU counts in ``jaxpr`` compiled as it is: a kernel per output and per
-    equation of another primitive, each holding the copied operations its operands are made of."""
-    made_by = {eqn.outvars[0]: eqn for eqn in jaxpr.eqns if eqn.primitive in _COPIED and len(eqn.outvars) == 1}
+def _copied_flops(jaxpr, made_once=frozenset()) -> int:
+    """About the flops XLA:CPU counts in ``jaxpr`` compiled with the values ``made_once`` made once:
+    a kernel per output and per equation of another primitive, each holding the copied operations
+    its operands are made of (back to inputs, ``made_once`` and results of other primitives)."""
+    made_by = {eqn.outvars[0]: eqn for eqn in jaxpr.eqns
+               if eqn.primitive in _COPIED and len(eqn.outvars) == 1 and eqn.outvars[0] not in made_once}
 
     def copies(values) -> int:
         seen, stack, flops = set(), [v for v in values if not isinstance(v, jcore.Literal)], 0
@@ -138,6 +140,14 @@ def _copied_flops(jaxpr) -> int:
     kernels = [eqn.invars for eqn in jaxpr.eqns if id(eqn) not in copied]
     kernels += [[v] for v in {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}]
     return sum(copies(operands) + 1 for operands in kernels)
+
+
+def crosses_the_line(jaxpr, shared) -> bool:
+    """Whether making ``shared`` once takes ``jaxpr`` under :data:`CHEAP_FLOPS` (:func:`_copied_flops`).
+    Elsewhere the extra kernels cost more than the copies they save: under the line already, or
+    above it still (roe_flux_1d composed with itself, rev: 4852 flops as it is, 1236 so, and
+    130 us against 144 us a call)."""
+    return _copied_flops(jaxpr, shared) < CHEAP_FLOPS <= _copied_flops(jaxpr)
 
 
 def _stages(jaxpr, shared) -> list:
@@ -156,16 +166,15 @@ def call_sharing_scalars(fun, args) -> object:
     """``fun(*args)``, with the scalars that its computation shares made once on XLA:CPU: ``fun``
     is traced to a jaxpr, whose equations are replayed stage by stage (:func:`_stages`), each
     stage's shared scalars passed through :data:`materialize_p` before the next stage reads them.
-    It is replayed as it is where XLA:CPU would run it on the calling thread anyway
-    (:func:`_copied_flops` under :data:`CHEAP_FLOPS`: more kernels would only cost), and where it
-    has effects (reordering could reorder them)."""
+    It is replayed as it is unless that takes it under XLA:CPU's line (:func:`crosses_the_line`),
+    and where it has effects (reordering could reorder them)."""
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     out_tree = jax.tree_util.tree_structure(out_shape)
     jaxpr = closed.jaxpr
     uses = collections.Counter(v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jcore.Literal))
     uses.update(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
     shared = _shared(jaxpr, uses)
-    if not shared or jaxpr.effects or _copied_flops(jaxpr) < CHEAP_FLOPS:
+    if not shared or jaxpr.effects or not crosses_the_line(jaxpr, shared):
         return jax.tree_util.tree_unflatten(out_tree, jcore.jaxpr_as_fun(closed)(*args))
     stages = _stages(jaxpr, shared)
     env = dict(zip(jaxpr.constvars, closed.consts))
