@@ -161,7 +161,7 @@ def _walk(program: FlatProgram, jaxpr, env: dict, path: tuple, callers: tuple) -
     return [_read(env, v) for v in jaxpr.outvars]
 
 
-def bind(eqn: FlatEqn, *args):
+def bind(eqn: FlatEqn | jcore.JaxprEqn, *args):
     """Apply ``eqn``'s primitive to ``args`` (as ``jax.core.eval_jaxpr`` does, call primitives included)."""
     return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
 

@@ -39,6 +39,8 @@ from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 from jax.interpreters import ad, batching, mlir
 
+from jaxtool.graph import bind
+
 #: values per row: XLA:CPU fuses a concatenation of at most this many operands with its producers
 ROW = 8
 #: rows at least: a concatenation of more operands than ROW is a kernel of its own
@@ -199,7 +201,7 @@ def call_sharing_scalars(fun, args) -> object:
         if stages[index] != current:
             materialize()
             current = stages[index]
-        out = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+        out = bind(eqn, *map(read, eqn.invars))
         env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
         pending.extend(v for v in eqn.outvars if v in shared)
     materialize()
