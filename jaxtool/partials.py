@@ -942,8 +942,8 @@ def _product_plan(b_key: tuple, a_key: tuple) -> _ProductPlan:
 
 #: Products with at most this many scalar multiplications, and products that sum no axis the two factors
 #: share (scalings, outer products), are written as broadcast-multiply(-sum), which XLA fuses with its
-#: neighbours; larger contractions, and every matrix-vector product (:func:`_is_matvec`), go to
-#: ``dot_general``. On XLA:CPU a small matrix-matrix ``dot`` is a call of its own, dearer than its
+#: neighbours; larger contractions, those that sum more than :data:`UNROLLED_SUM` terms, and every
+#: matrix-vector product (:func:`_is_matvec`), go to ``dot_general``. On XLA:CPU a small matrix-matrix ``dot`` is a call of its own, dearer than its
 #: arithmetic: the encoder's Jacobian at a point (rev order, pinned to one CPU) took 57.0 us with a
 #: limit of 64 and its primal products as ``dot``, 48.2 us with 256 and :func:`dot_general` for them,
 #: 48.1 us with 1024 (``jax.jacrev``: 57.5 us). A matrix-vector ``dot`` is the faster form, most of
@@ -957,6 +957,10 @@ SMALL_CONTRACTION = 256
 #: encoder (4x4 products) took 4.4 ms with sums of slices, 10.3 ms with ``reduce_sum``; of
 #: ``real((x + 1j y)**3 * exp(1j x))`` (2x2 blocks of complex values) over 256 points, 0.05 ms, not 0.2.
 #: XLA compiles the slices into its own loops: the encoder's first call took 1.45x as long.
+#: A contraction that sums more terms goes to ``dot_general``, however small: its product, which
+#: that library call cannot take in, would be made in memory first. Over 1024 points the mlp sample's
+#: rev-order Jacobian (an 8x16 by 16x2 product) took 1.39 ms so, 10.4 ms as broadcast-multiply and
+#: ``reduce_sum`` (one CPU, interleaved; ``jax.jacrev``: 1.2-2.3 ms).
 UNROLLED_SUM = 4
 
 
@@ -972,8 +976,9 @@ def fuses_small_products() -> bool:
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
     """``lax.dot_general``, as a fused multiply-and-sum where it takes at most :data:`SMALL_CONTRACTION`
-    scalar multiplications of float32 or float64 values and is not a matrix-vector product (the
-    primal of a small matrix product), on XLA:CPU (:func:`fuses_small_products`)."""
+    scalar multiplications of float32 or float64 values, sums at most :data:`UNROLLED_SUM` terms and
+    is not a matrix-vector product (the primal of a small matrix product), on XLA:CPU
+    (:func:`fuses_small_products`)."""
     (lc, rc), (lb, rb) = dimension_numbers
     dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     lhs_free = [a for a in range(lhs.ndim) if a not in lc and a not in lb]
@@ -1020,7 +1025,8 @@ def _contract(operands, specs, out_layout, loop, dtype):
     out_spec = "".join(l for l in out_layout if l is not None)
     contracted = (set(specs[0]) & set(specs[1])) - set(out_spec) if len(operands) == 2 else ()
     fused = fuses_small_products()
-    if contracted and (loop > SMALL_CONTRACTION or _is_matvec(specs, out_spec) or not fused):
+    summed = _size(sizes[l] for l in contracted)
+    if contracted and (loop > SMALL_CONTRACTION or summed > UNROLLED_SUM or _is_matvec(specs, out_spec) or not fused):
         kept = [reshaped(v, tuple(v.shape[n] for n in keep)) for v, keep in operands]
         return reshaped(_dot(kept, specs, out_spec, dtype), out_shape)
     layout = _summation_layout(operands, specs, out_layout)

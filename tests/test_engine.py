@@ -1808,6 +1808,7 @@ def test_zero_size_partials_of_loops_are_densified():
     ((0, 3), (3, 2), (((1,), (0,)), ((), ()))),
     ((3, 0), (0, 2), (((1,), (0,)), ((), ()))),  # a sum of no terms: zeros
     ((2, 3), (3, 2), (((1,), (0,)), ((), ()))),  # a sum of 3 terms: written out as additions
+    ((8, 16), (16, 2), (((1,), (0,)), ((), ()))),  # a sum of 16 terms, over UNROLLED_SUM: lax.dot_general
     ((32, 32), (32, 32), (((1,), (0,)), ((), ()))),  # over SMALL_CONTRACTION: lax.dot_general itself
     ((8, 4), (4,), (((1,), (0,)), ((), ()))),  # matrix-vector products: lax.dot_general whatever their size
     ((4,), (4, 8), (((0,), (0,)), ((), ()))),
@@ -1821,7 +1822,9 @@ def test_primal_dot_general_matches_lax(lhs_shape, rhs_shape, dimension_numbers)
     loop = int(np.prod(expected.shape)) * int(np.prod([lhs_shape[a] for a in dimension_numbers[0][0]]))
     (lc, rc), (lb, _) = dimension_numbers
     matvec = not lb and (len(lc) == len(lhs_shape) or len(rc) == len(rhs_shape))
-    assert any(e.primitive is lax.dot_general_p for e in fused.eqns) == (loop > partials.SMALL_CONTRACTION or matvec)
+    summed = int(np.prod([lhs_shape[a] for a in lc]))
+    assert any(e.primitive is lax.dot_general_p for e in fused.eqns) == (
+        loop > partials.SMALL_CONTRACTION or summed > partials.UNROLLED_SUM or matvec)
     for got in (partials.dot_general(lhs, rhs, dimension_numbers),
                 jax.jit(lambda a, b: partials.dot_general(a, b, dimension_numbers))(lhs, rhs)):
         assert got.shape == expected.shape and got.dtype == expected.dtype
@@ -1879,7 +1882,7 @@ def test_contractions_reach_dot_general_in_canonical_form():
 
 
 
-@pytest.mark.parametrize("summed", [3, 7])  # a sum written out term by term; a reduce_sum
+@pytest.mark.parametrize("summed", [3, 7])  # a sum written out term by term; a reduce_sum or a dot_general
 def test_written_out_contractions_sum_an_axis_where_the_larger_operand_has_it(summed):
     # a summed axis between two kept ones (sum(a[i, j, c] * b[i, j], j)) is summed where it is: moving it
     # last made XLA materialise a transposed copy of the product (256-body energy: 1.5x jax.jacrev)
@@ -1897,9 +1900,12 @@ def test_written_out_contractions_sum_an_axis_where_the_larger_operand_has_it(su
         want = jnp.einsum(f"{sa},{sb}->{''.join(l for l in so if l)}", a, b)
         np.testing.assert_allclose(contract(a, b), want.reshape([1 if l is None else sizes[l] for l in so]),
                                    rtol=1e-5, atol=1e-5)
+        eqns = jax.make_jaxpr(contract)(a, b).eqns
+        if "j" in sb and summed > partials.UNROLLED_SUM:  # a contraction of more terms: lax.dot_general
+            assert any(e.primitive is lax.dot_general_p for e in eqns), (sa, sb, so)
+            continue
         in_order = [l for l in sa if l in so] == [l for l in so if l]
-        transposed = [e.invars[0].aval.shape for e in jax.make_jaxpr(contract)(a, b).eqns
-                      if e.primitive is lax.transpose_p]
+        transposed = [e.invars[0].aval.shape for e in eqns if e.primitive is lax.transpose_p]
         assert not (in_order and a.size >= b.size and a.shape in transposed), (sa, sb, so)
 
 
