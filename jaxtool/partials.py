@@ -943,12 +943,13 @@ def _product_plan(b_key: tuple, a_key: tuple) -> _ProductPlan:
 #: Products with at most this many scalar multiplications, and products that sum no axis the two factors
 #: share (scalings, outer products), are written as broadcast-multiply(-sum), which XLA fuses with its
 #: neighbours; larger contractions, those that sum more than :data:`UNROLLED_SUM` terms, and every
-#: matrix-vector product (:func:`_is_matvec`), go to ``dot_general``. On XLA:CPU a small matrix-matrix ``dot`` is a call of its own, dearer than its
-#: arithmetic: the encoder's Jacobian at a point (rev order, pinned to one CPU) took 57.0 us with a
-#: limit of 64 and its primal products as ``dot``, 48.2 us with 256 and :func:`dot_general` for them,
-#: 48.1 us with 1024 (``jax.jacrev``: 57.5 us). A matrix-vector ``dot`` is the faster form, most of
-#: all under ``vmap``: with it, over 1024 points, the rev-order Jacobian of roe_flux_3d took 0.34 ms
-#: instead of 1.29 ms, perceptron's 0.105 ms instead of 0.176 ms (pinned; ``jax.jacrev``: 1.27, 0.18).
+#: matrix-vector product (:func:`_is_matvec`), go to ``dot_general``. On XLA:CPU a small
+#: matrix-matrix ``dot`` is a call of its own, dearer than its arithmetic: the encoder's Jacobian at
+#: a point (rev order, pinned to one CPU) took 57.0 us with a limit of 64 and its primal products as
+#: ``dot``, 48.2 us with 256 and :func:`dot_general` for them, 48.1 us with 1024 (``jax.jacrev``:
+#: 57.5 us). A matrix-vector ``dot`` is the faster form, most of all under ``vmap``: with it, over
+#: 1024 points, the rev-order Jacobian of roe_flux_3d took 0.34 ms instead of 1.29 ms, perceptron's
+#: 0.105 ms instead of 0.176 ms (pinned; ``jax.jacrev``: 1.27, 0.18).
 SMALL_CONTRACTION = 256
 
 #: a fused multiply-and-sum over at most this many terms is written as a sum of slices, not a
