@@ -103,6 +103,11 @@ def of_scalars(args) -> bool:
     return bool(floats) and all(jax.typeof(x).shape == () for x in floats)
 
 
+def _variables(atoms) -> list:
+    """The variables among ``atoms`` (a jaxpr's equation inputs or outputs), literals left out."""
+    return [v for v in atoms if not isinstance(v, jcore.Literal)]
+
+
 def _shared(jaxpr, uses) -> set:
     """The scalars of ``jaxpr`` that XLA:CPU would copy into each of several kernels, where a copy
     costs enough (:data:`COPY_COST`): a copy of a value repeats every copied operation back to the
@@ -112,7 +117,7 @@ def _shared(jaxpr, uses) -> set:
         if eqn.primitive not in _COPIED or len(eqn.outvars) != 1:
             continue
         out = eqn.outvars[0]
-        operands = {v for v in eqn.invars if not isinstance(v, jcore.Literal)}
+        operands = set(_variables(eqn.invars))
         cost[out] = _COPIED[eqn.primitive] + sum(cost.get(v, 0) for v in operands)
         if (out.aval.shape == () and jnp.issubdtype(out.aval.dtype, jnp.floating) and uses[out] >= 2
                 and (len(operands) >= 2 or cost[out] >= COPY_COST)):
@@ -129,18 +134,18 @@ def _copied_flops(jaxpr, made_once=frozenset()) -> int:
                if eqn.primitive in _COPIED and len(eqn.outvars) == 1 and eqn.outvars[0] not in made_once}
 
     def copies(values) -> int:
-        seen, stack, flops = set(), [v for v in values if not isinstance(v, jcore.Literal)], 0
+        seen, stack, flops = set(), _variables(values), 0
         while stack:
             eqn = made_by.get(stack.pop())
             if eqn is not None and id(eqn) not in seen:
                 seen.add(id(eqn))
                 flops += _COPIED[eqn.primitive]
-                stack.extend(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+                stack.extend(_variables(eqn.invars))
         return flops
 
     copied = {id(eqn) for eqn in made_by.values()}
     kernels = [eqn.invars for eqn in jaxpr.eqns if id(eqn) not in copied]
-    kernels += [[v] for v in {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}]
+    kernels += [[v] for v in set(_variables(jaxpr.outvars))]
     return sum(copies(operands) + 1 for operands in kernels)
 
 
@@ -157,8 +162,7 @@ def _stages(jaxpr, shared) -> list:
     Ordered by stage, the shared values of one stage are all made before any equation reads one."""
     stage, stages = {}, []
     for eqn in jaxpr.eqns:
-        s = max((stage.get(v, 0) + (v in shared) for v in eqn.invars if not isinstance(v, jcore.Literal)),
-                default=0)
+        s = max((stage.get(v, 0) + (v in shared) for v in _variables(eqn.invars)), default=0)
         stages.append(s)
         stage.update((v, s) for v in eqn.outvars)
     return stages
@@ -173,8 +177,8 @@ def call_sharing_scalars(fun, args) -> object:
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     out_tree = jax.tree_util.tree_structure(out_shape)
     jaxpr = closed.jaxpr
-    uses = collections.Counter(v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jcore.Literal))
-    uses.update(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
+    uses = collections.Counter(v for eqn in jaxpr.eqns for v in _variables(eqn.invars))
+    uses.update(_variables(jaxpr.outvars))
     shared = _shared(jaxpr, uses)
     if not shared or jaxpr.effects or not crosses_the_line(jaxpr, shared):
         return jax.tree_util.tree_unflatten(out_tree, jcore.jaxpr_as_fun(closed)(*args))
