@@ -16,7 +16,7 @@ from jaxtool.graph import flatten
 from jaxtool.orders import parse_order, resolve_order, vertex_numbers
 from jaxtool.partials import clear_plan_caches
 from jaxtool.rules import leaked_rule_error
-from jaxtool.sharing import call_sharing_scalars, of_scalars
+from jaxtool.sharing import call_sharing, of_scalars, reads_dear
 
 
 def _argnums(argnums):
@@ -157,10 +157,17 @@ class _StagedJacobian:
         self.aux_layouts = {}
         self.program = None  # the last program traced
 
+    def trace(self, kinds, args, kwargs) -> tuple:
+        """The function traced at ``args`` and ``kwargs`` (:func:`_trace`)."""
+        return _trace(self.fun_ref(), args, kwargs, self.positions, self.has_aux, kinds)
+
     def parts(self, kinds, *args, **kwargs):
         """The Jacobian, the aux leaves that are arrays, the aux tree and the other aux leaves."""
-        program, values, wrt, dyn_tree, out_tree, aux_tree, static = _trace(
-            self.fun_ref(), args, kwargs, self.positions, self.has_aux, kinds)
+        return self.emitted(self.trace(kinds, args, kwargs))
+
+    def emitted(self, traced):
+        """:meth:`parts` of the function as :meth:`trace` traced it."""
+        program, values, wrt, dyn_tree, out_tree, aux_tree, static = traced
         self.program = program  # (for the error of a custom rule that leaks a tracer, see __call__)
         problem = build(program, values, wrt)
         run(problem, resolve_order(self.order, problem))
@@ -177,16 +184,19 @@ class _StagedJacobian:
         return jax.tree_util.tree_unflatten(out_tree, inner), list(problem.out_values[n_out:]), aux_tree, static
 
     def staged_parts(self, kinds, static, call_tree, *dynamic):
-        def emit(*dynamic):
+        def emit(*dynamic, traced=None):
             args, kwargs = _merge(static, call_tree, dynamic)
-            result, arrays, aux_tree, static_aux = self.parts(kinds, *args, **kwargs)
+            traced = traced or self.trace(kinds, args, kwargs)
+            result, arrays, aux_tree, static_aux = self.emitted(traced)
             if self.has_aux:
                 self.aux_layouts[static, _signature(args, kwargs)] = (aux_tree, static_aux)
             return result, arrays
 
-        if of_scalars(dynamic):
-            return call_sharing_scalars(emit, dynamic)
-        return emit(*dynamic)
+        traced = self.trace(kinds, *_merge(static, call_tree, dynamic))
+        if of_scalars(dynamic) or reads_dear(traced[0]):
+            # (the replay's jaxpr closes over this trace's values: fun is traced once)
+            return call_sharing(functools.partial(emit, traced=traced), dynamic)
+        return emit(*dynamic, traced=traced)
 
     def with_aux(self, result, arrays, aux_tree, static):
         if not self.has_aux:

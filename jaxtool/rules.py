@@ -31,7 +31,7 @@ from jaxtool.graph import NUMPY_RULES, FlatEqn, bind
 from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, cast, reshaped, selection_from_index,
                               sum_of_selections)
 from jaxtool.printing import subjaxprs
-from jaxtool.sharing import materialize_p
+from jaxtool.sharing import materialize_p, once_p
 
 Rule = Callable  # (eqn, invals, outvals, wrt) -> list[(int, int, Partial)]
 RULES: dict = {}
@@ -257,7 +257,7 @@ def identity(eqn, invals, outvals, wrt):
     return [(i, 0, Sparse.identity(_shape(outvals[0]), jax.typeof(outvals[0]).dtype)) for i in wrt]
 
 
-@register(materialize_p)
+@register(materialize_p, once_p)
 def materialized(eqn, invals, outvals, wrt):
     """Each output is its input (:mod:`jaxtool.sharing`, in the Jacobians ``jacve`` stages)."""
     return [(i, i, Sparse.identity(_shape(outvals[i]), jax.typeof(outvals[i]).dtype)) for i in wrt]

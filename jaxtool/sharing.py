@@ -24,11 +24,20 @@ This is a property of XLA:CPU's fusion heuristics, so :data:`materialize_p` is l
 CPU; elsewhere, and under ``jax.vmap`` (where the values are batches, and copying a batch into each
 kernel cost less than a round trip through memory: roe_flux_1d over 1024 points, 263 us as it is
 and 401 us so), it is the identity. Its derivatives are the identity too.
+
+Sines, cosines and tangents are the exception XLA:CPU makes too: it counts them cheap and copies
+them into every kernel that reads them, though each is a polynomial of tens of operations. The
+reverse-order Jacobian of robot_arm_6dof reads its 12 sines and cosines (and their derivatives)
+from kernels that compute 106 of them; vmapped over 1024 points, that was most of its time.
+:data:`once_p` passes such values, where several equations read them, through a buffer XLA cannot
+fuse (a concatenation of more than 8 pieces) wherever they are large enough for the round trip to
+cost less than the copies (:data:`ONCE_SIZE` elements, as they are under ``jax.vmap``), on XLA:CPU.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 
 import numpy as np
 
@@ -58,6 +67,13 @@ _COPIED.update({p: 20 for p in (P.erf_p, P.erfc_p, P.erf_inv_p, P.lgamma_p, P.di
 COPY_COST = 3
 #: XLA:CPU runs a call whose compiled program it counts at fewer flops than this on the calling thread
 CHEAP_FLOPS = 1000
+#: elementwise primitives XLA:CPU copies into every kernel that reads their result, though each
+#: is a polynomial of tens of operations (it keeps exp, log, atan2 and the like apart)
+DEAR = (P.sin_p, P.cos_p, P.tan_p)
+#: values of :data:`DEAR` primitives read by several equations are made once where they have at
+#: least this many elements between them (:data:`once_p`): robot_arm_6dof's reverse-order
+#: Jacobian over 1024 points took 0.27 ms so, 0.75 ms as it was (``jax.jacfwd``: 1.2 ms)
+ONCE_SIZE = 1024
 
 materialize_p = jcore.Primitive("materialize_scalars")
 materialize_p.multiple_results = True
@@ -94,6 +110,44 @@ def _materialize_batched(args, dims):
 
 ad.primitive_jvps[materialize_p] = _materialize_jvp
 batching.primitive_batchers[materialize_p] = _materialize_batched
+
+once_p = jcore.Primitive("computed_once")
+once_p.multiple_results = True
+once_p.def_impl(lambda *xs: list(xs))
+once_p.def_abstract_eval(lambda *avals: list(avals))
+mlir.register_lowering(once_p, mlir.lower_fun(lambda *xs: list(xs), multiple_results=True))
+
+
+def _once_through_a_buffer(*xs):
+    """``xs`` (arrays of one dtype), read back from a buffer that XLA:CPU computes once: one row
+    each (padded to the longest), at least :data:`ROWS` rows (the first repeated), concatenated (a
+    kernel of its own) and gathered back at constant indices. As they are below :data:`ONCE_SIZE`."""
+    sizes = [math.prod(x.shape) for x in xs]
+    if sum(sizes) < ONCE_SIZE:
+        return list(xs)
+    length = max(sizes)
+    rows = [lax.reshape(lax.pad(lax.reshape(x, (size,)), lax.full((), 0, x.dtype), [(0, length - size, 0)]),
+                        (1, length)) for x, size in zip(xs, sizes)]
+    rows += rows[:1] * (ROWS - len(rows))
+    taken = lax.gather(lax.concatenate(rows, 0), np.arange(len(rows), dtype=np.int32)[:, None],
+                       lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,)),
+                       slice_sizes=(1, length), mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return [lax.reshape(lax.slice(taken, (n, 0), (n + 1, size)), x.shape) for n, (x, size) in enumerate(zip(xs, sizes))]
+
+
+mlir.register_lowering(once_p, mlir.lower_fun(_once_through_a_buffer, multiple_results=True), platform="cpu")
+
+
+def _once_jvp(primals, tangents):
+    return once_p.bind(*primals), list(tangents)
+
+
+def _once_batched(args, dims):
+    return once_p.bind(*args), list(dims)
+
+
+ad.primitive_jvps[once_p] = _once_jvp
+batching.primitive_batchers[once_p] = _once_batched
 
 
 def of_scalars(args) -> bool:
@@ -168,45 +222,81 @@ def _stages(jaxpr, shared) -> list:
     return stages
 
 
-def call_sharing_scalars(fun, args) -> object:
-    """``fun(*args)``, with the scalars that its computation shares made once on XLA:CPU: ``fun``
-    is traced to a jaxpr, whose equations are replayed stage by stage (:func:`_stages`), each
-    stage's shared scalars passed through :data:`materialize_p` before the next stage reads them.
-    It is replayed as it is unless that takes it under XLA:CPU's line (:func:`crosses_the_line`),
-    and where it has effects (reordering could reorder them)."""
+def reads_dear(program) -> bool:
+    """Whether a flat program (:class:`jaxtool.graph.FlatProgram`) computes a :data:`DEAR` primitive."""
+    return any(eqn.primitive in DEAR for eqn in program.eqns)
+
+
+def _one_of_each_dear(jaxpr):
+    """``jaxpr`` with each :data:`DEAR` equation that repeats an earlier one (same primitive, operands
+    and parameters: the elimination's rules recompute the primal's sines) left out, its readers
+    reading the earlier one's result: several equations then read that one."""
+    renamed, seen, eqns = {}, {}, []
+    for eqn in jaxpr.eqns:
+        invars = [v if isinstance(v, jcore.Literal) else renamed.get(v, v) for v in eqn.invars]
+        eqn = eqn.replace(invars=invars)
+        if eqn.primitive in DEAR and all(not isinstance(v, jcore.Literal) for v in invars):
+            key = (eqn.primitive, tuple(invars), tuple(sorted((k, repr(p)) for k, p in eqn.params.items())))
+            if key in seen:
+                renamed[eqn.outvars[0]] = seen[key]
+                continue
+            seen[key] = eqn.outvars[0]
+        eqns.append(eqn)
+    outvars = [v if isinstance(v, jcore.Literal) else renamed.get(v, v) for v in jaxpr.outvars]
+    return jaxpr.replace(eqns=eqns, outvars=outvars)
+
+
+def call_sharing(fun, args) -> object:
+    """``fun(*args)``, with the values that its computation shares made once on XLA:CPU: ``fun`` is
+    traced to a jaxpr, whose equations are replayed stage by stage (:func:`_stages`).
+
+    - In a program of scalars (:func:`of_scalars`), each stage's shared scalars (:func:`_shared`)
+      pass through :data:`materialize_p` before the next stage reads them, where that takes the
+      program under XLA:CPU's line (:func:`crosses_the_line`).
+    - The results of :data:`DEAR` primitives that several equations read pass through
+      :data:`once_p`, those of one stage together, before the first equation that reads one.
+
+    Replayed as it is where it has effects (reordering could reorder them)."""
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     out_tree = jax.tree_util.tree_structure(out_shape)
-    jaxpr = closed.jaxpr
+    jaxpr = _one_of_each_dear(closed.jaxpr)
     uses = collections.Counter(v for eqn in jaxpr.eqns for v in _variables(eqn.invars))
     uses.update(_variables(jaxpr.outvars))
-    shared = _shared(jaxpr, uses)
-    if not shared or jaxpr.effects or not crosses_the_line(jaxpr, shared):
-        return jax.tree_util.tree_unflatten(out_tree, jcore.jaxpr_as_fun(closed)(*args))
-    stages = _stages(jaxpr, shared)
+    shared = _shared(jaxpr, uses) if of_scalars(args) else set()
+    if shared and not crosses_the_line(jaxpr, shared):
+        shared = set()
+    dear = {eqn.outvars[0] for eqn in jaxpr.eqns if eqn.primitive in DEAR and uses[eqn.outvars[0]] >= 2}
     env = dict(zip(jaxpr.constvars, closed.consts))
     env.update(zip(jaxpr.invars, args))
 
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
-    pending = []
+    if not (shared or dear) or jaxpr.effects:
+        return jax.tree_util.tree_unflatten(out_tree, jcore.jaxpr_as_fun(closed)(*args))
+    pending = {materialize_p: [], once_p: []}
 
-    def materialize():
+    def made_once(primitive):
         by_dtype = collections.defaultdict(list)
-        for v in pending:
+        for v in pending[primitive]:
             by_dtype[v.aval.dtype].append(v)
         for group in by_dtype.values():
-            env.update(zip(group, materialize_p.bind(*(env[v] for v in group))))
-        pending.clear()
+            env.update(zip(group, primitive.bind(*(env[v] for v in group))))
+        pending[primitive].clear()
 
+    stages, dear_stages = _stages(jaxpr, shared), _stages(jaxpr, dear)
     current = 0
-    for index in sorted(range(len(jaxpr.eqns)), key=lambda i: (stages[i], i)):
+    for index in sorted(range(len(jaxpr.eqns)), key=lambda i: (stages[i], dear_stages[i], i)):
         eqn = jaxpr.eqns[index]
         if stages[index] != current:
-            materialize()
+            made_once(materialize_p)
             current = stages[index]
+        if any(v in pending[once_p] for v in _variables(eqn.invars)):
+            made_once(once_p)
         out = bind(eqn, *map(read, eqn.invars))
         env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
-        pending.extend(v for v in eqn.outvars if v in shared)
-    materialize()
+        pending[materialize_p].extend(v for v in eqn.outvars if v in shared)
+        pending[once_p].extend(v for v in eqn.outvars if v in dear)
+    made_once(materialize_p)
+    made_once(once_p)
     return jax.tree_util.tree_unflatten(out_tree, [read(v) for v in jaxpr.outvars])

@@ -610,6 +610,56 @@ def test_shared_scalars_are_computed_once_on_cpu(monkeypatch):
     assert shared < 1000 <= copied, (shared, copied)
 
 
+def test_sines_several_equations_read_are_computed_once_where_large(monkeypatch):
+    """Sines, cosines and tangents that several equations of a staged Jacobian read pass through
+    ``computed_once`` (:mod:`jaxtool.sharing`): XLA:CPU copies them into every kernel that reads
+    them otherwise. Where they are large (under ``jax.vmap``, or arrays of ONCE_SIZE elements) each
+    is computed once: XLA's count of transcendental functions is at most the primal's per point,
+    where it is over 10 times that without. Small ones are left to XLA (the same compiled flops)."""
+    from jaxtool import sharing
+
+    robot, args = load_sample("robot_arm_6dof")
+    argnums = tuple(range(6))
+    batch = tuple(v * jnp.linspace(0.9, 1.1, 1024, dtype=jnp.float32) for v in args)
+    transcendental = {"sin", "cos", "tan", "atan2", "sqrt", "rsqrt", "exp", "log"}
+    per_point = sum(e.primitive.name in transcendental for e in jax.make_jaxpr(robot)(*args).jaxpr.eqns)
+
+    def compiled(fun, *xs):
+        jaxtool.jacobian.clear_caches()
+        jax.clear_caches()
+        return jax.jit(fun).lower(*xs).compile()
+
+    want = jax.vmap(jax.jacrev(robot, argnums=argnums))(*batch)
+    for order in ["fwd", "rev", "markowitz"] + random_orders(trace_problem(robot, *args, argnums=argnums), 2, seed=5):
+        batched = jax.vmap(jaxtool.jacve(robot, order=order, argnums=argnums))
+        assert "computed_once" in str(jax.make_jaxpr(batched)(*batch)), order
+        assert_same_jacobian(jax.jit(batched)(*batch), want, rtol=1e-4, atol=1e-5)
+        if order in ("fwd", "rev"):
+            once = compiled(batched, *batch).cost_analysis()["transcendentals"]
+            point = compiled(jaxtool.jacve(robot, order=order, argnums=argnums), *args).cost_analysis()["flops"]
+            with monkeypatch.context() as m:
+                m.setattr(sharing, "DEAR", ())
+                copied = compiled(batched, *batch).cost_analysis()["transcendentals"]
+                assert compiled(jaxtool.jacve(robot, order=order, argnums=argnums), *args).cost_analysis()["flops"] == point
+            assert once <= 1024 * per_point < copied / 10, (order, once, copied)
+    jaxtool.jacobian.clear_caches()
+    # an array that large at a point; second derivatives, through vmap; other platforms
+    wave = lambda x: jnp.sin(x) * x[::-1] + jnp.cos(x) ** 2 + jnp.tan(0.5 * x) * jnp.sin(x)  # noqa: E731
+    x = jnp.linspace(-1.0, 1.0, sharing.ONCE_SIZE, dtype=jnp.float32)
+    assert_same_jacobian(jax.jit(jaxtool.jacve(wave))(x), jax.jacrev(wave)(x), rtol=1e-5, atol=1e-6)
+    assert compiled(jaxtool.jacve(wave), x).cost_analysis()["transcendentals"] <= 3 * x.size
+    scalar = lambda a, b: jnp.sin(a * b) * jnp.cos(a) + jnp.tan(b) * jnp.sin(a * b)  # noqa: E731
+    a, b = jnp.linspace(0.1, 1.0, 1024, dtype=jnp.float32), jnp.linspace(-0.5, 0.5, 1024, dtype=jnp.float32)
+    for second in (jaxtool.jacve(jaxtool.jacve(scalar, argnums=(0, 1)), argnums=(0, 1)),
+                   jax.jacfwd(jaxtool.jacve(scalar, argnums=(0, 1)), argnums=(0, 1)),
+                   jax.jacrev(jaxtool.jacve(scalar, argnums=(0, 1)), argnums=(0, 1))):
+        assert_same_jacobian(jax.jit(jax.vmap(second))(a, b), jax.vmap(jax.hessian(scalar, argnums=(0, 1)))(a, b),
+                             rtol=1e-4, atol=1e-5)
+    jax.extend.core.check_jaxpr(jax.make_jaxpr(jax.vmap(jaxtool.jacve(robot, argnums=argnums)))(*batch).jaxpr)
+    on_gpu = jax.jit(jax.vmap(jaxtool.jacve(robot, argnums=argnums))).trace(*batch).lower(lowering_platforms=("cuda",))
+    assert "gather" not in on_gpu.as_text()
+
+
 #: scatter-adds and gathers with indices known while tracing (closed-over NumPy arrays, index arithmetic on them)
 RNG_INDEX = np.random.default_rng(3)
 GATHER, SEGMENT = RNG_INDEX.integers(0, 25, 60), RNG_INDEX.integers(0, 10, 60)
