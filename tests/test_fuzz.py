@@ -129,7 +129,7 @@ SHARING_SEEDS = _seeds(CI_SEEDS + 40, 40, lambda case: all(np.ndim(x) == 0 for x
 #: more seeds, of programs that take sines, cosines or tangents, checked with those that several
 #: equations read computed once (``jaxtool.sharing.once_p``) however small (jaxtool does it from
 #: ``ONCE_SIZE`` elements on: under vmap)
-ONCE_SEEDS = _seeds(SHARING_SEEDS[-1] + 1, 30, lambda case: re.search(r"jnp\.(sin|cos|tan)\(", "\n".join(case.ops)))
+ONCE_SEEDS = _seeds(SHARING_SEEDS[-1] + 1, 24, lambda case: re.search(r"jnp\.(sin|cos|tan)\(", "\n".join(case.ops)))
 
 
 @pytest.mark.parametrize("seed", SHARING_SEEDS)
