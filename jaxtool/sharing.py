@@ -27,7 +27,7 @@ and 401 us so), it is the identity. Its derivatives are the identity too.
 
 Sines, cosines and tangents are the exception XLA:CPU makes too: it counts them cheap and copies
 them into every kernel that reads them, though each is a polynomial of tens of operations. The
-reverse-order Jacobian of robot_arm_6dof reads its 12 sines and cosines (and their derivatives)
+forward-order Jacobian of robot_arm_6dof reads its 12 sines and cosines (and their derivatives)
 from kernels that compute 106 of them; vmapped over 1024 points, that was most of its time.
 :data:`once_p` passes such values, where several equations read them, through a buffer XLA cannot
 fuse (a concatenation of more than 8 pieces) wherever they are large enough for the round trip to
@@ -121,7 +121,8 @@ mlir.register_lowering(once_p, mlir.lower_fun(lambda *xs: list(xs), multiple_res
 def _once_through_a_buffer(*xs):
     """``xs`` (arrays of one dtype), read back from a buffer that XLA:CPU computes once: one row
     each (padded to the longest), at least :data:`ROWS` rows (the first repeated), concatenated (a
-    kernel of its own) and gathered back at constant indices. As they are below :data:`ONCE_SIZE`."""
+    kernel of its own) and gathered back at constant indices. ``xs`` themselves where they have
+    fewer than :data:`ONCE_SIZE` elements between them."""
     sizes = [math.prod(x.shape) for x in xs]
     if sum(sizes) < ONCE_SIZE:
         return list(xs)
