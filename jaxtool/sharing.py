@@ -75,11 +75,20 @@ DEAR = (P.sin_p, P.cos_p, P.tan_p)
 #: Jacobian over 1024 points took 0.27 ms so, 0.75 ms as it was (``jax.jacfwd``: 1.2 ms)
 ONCE_SIZE = 1024
 
-materialize_p = jcore.Primitive("materialize_scalars")
-materialize_p.multiple_results = True
-materialize_p.def_impl(lambda *xs: list(xs))
-materialize_p.def_abstract_eval(lambda *avals: list(avals))
-mlir.register_lowering(materialize_p, mlir.lower_fun(lambda *xs: list(xs), multiple_results=True))
+
+def _passing_through(name: str, on_cpu, batched) -> jcore.Primitive:
+    """A primitive that returns its operands (arrays, any number): so in its impl, its JVP (the
+    tangents pass through too) and its lowering but for XLA:CPU's, ``on_cpu``; ``batched`` is its
+    batching rule."""
+    primitive = jcore.Primitive(name)
+    primitive.multiple_results = True
+    primitive.def_impl(lambda *xs: list(xs))
+    primitive.def_abstract_eval(lambda *avals: list(avals))
+    mlir.register_lowering(primitive, mlir.lower_fun(lambda *xs: list(xs), multiple_results=True))
+    mlir.register_lowering(primitive, mlir.lower_fun(on_cpu, multiple_results=True), platform="cpu")
+    ad.primitive_jvps[primitive] = lambda primals, tangents: (primitive.bind(*primals), list(tangents))
+    batching.primitive_batchers[primitive] = batched
+    return primitive
 
 
 def _through_one_buffer(*xs):
@@ -96,26 +105,9 @@ def _through_one_buffer(*xs):
     return [lax.reshape(lax.slice(taken, (i,), (i + 1,)), ()) for i in range(count)]
 
 
-mlir.register_lowering(materialize_p, mlir.lower_fun(_through_one_buffer, multiple_results=True),
-                       platform="cpu")
-
-
-def _materialize_jvp(primals, tangents):
-    return materialize_p.bind(*primals), list(tangents)
-
-
-def _materialize_batched(args, dims):
-    return list(args), list(dims)
-
-
-ad.primitive_jvps[materialize_p] = _materialize_jvp
-batching.primitive_batchers[materialize_p] = _materialize_batched
-
-once_p = jcore.Primitive("computed_once")
-once_p.multiple_results = True
-once_p.def_impl(lambda *xs: list(xs))
-once_p.def_abstract_eval(lambda *avals: list(avals))
-mlir.register_lowering(once_p, mlir.lower_fun(lambda *xs: list(xs), multiple_results=True))
+#: the identity under jax.vmap (see the module docstring)
+materialize_p = _passing_through("materialize_scalars", _through_one_buffer,
+                                 lambda args, dims: (list(args), list(dims)))
 
 
 def _once_through_a_buffer(*xs):
@@ -136,24 +128,14 @@ def _once_through_a_buffer(*xs):
     return [lax.reshape(lax.slice(taken, (n, 0), (n + 1, size)), x.shape) for n, (x, size) in enumerate(zip(xs, sizes))]
 
 
-mlir.register_lowering(once_p, mlir.lower_fun(_once_through_a_buffer, multiple_results=True), platform="cpu")
-
-
-def _once_jvp(primals, tangents):
-    return once_p.bind(*primals), list(tangents)
-
-
-def _once_batched(args, dims):
-    return once_p.bind(*args), list(dims)
-
-
-ad.primitive_jvps[once_p] = _once_jvp
-batching.primitive_batchers[once_p] = _once_batched
+#: itself under jax.vmap, of the batches: large enough there to be made once
+once_p = _passing_through("computed_once", _once_through_a_buffer,
+                          lambda args, dims: (once_p.bind(*args), list(dims)))
 
 
 def of_scalars(args) -> bool:
     """Whether every floating-point array among ``args`` is a scalar: programs of scalars are the
-    ones whose Jacobians :func:`call_sharing_scalars` helps (and tracing them twice is cheap)."""
+    ones whose Jacobians :data:`materialize_p` helps (see :func:`call_sharing`)."""
     floats = [x for x in args if jnp.issubdtype(jax.typeof(x).dtype, jnp.floating)]
     return bool(floats) and all(jax.typeof(x).shape == () for x in floats)
 
