@@ -184,19 +184,17 @@ class _StagedJacobian:
         return jax.tree_util.tree_unflatten(out_tree, inner), list(problem.out_values[n_out:]), aux_tree, static
 
     def staged_parts(self, kinds, static, call_tree, *dynamic):
-        def emit(*dynamic, traced=None):
-            args, kwargs = _merge(static, call_tree, dynamic)
-            traced = traced or self.trace(kinds, args, kwargs)
+        traced = self.trace(kinds, *_merge(static, call_tree, dynamic))
+
+        def emit(*dynamic):
             result, arrays, aux_tree, static_aux = self.emitted(traced)
             if self.has_aux:
-                self.aux_layouts[static, _signature(args, kwargs)] = (aux_tree, static_aux)
+                self.aux_layouts[static, _signature(*_merge(static, call_tree, dynamic))] = (aux_tree, static_aux)
             return result, arrays
 
-        traced = self.trace(kinds, *_merge(static, call_tree, dynamic))
         if of_scalars(dynamic) or reads_dear(traced[0]):
-            # (the replay's jaxpr closes over this trace's values: fun is traced once)
-            return call_sharing(functools.partial(emit, traced=traced), dynamic)
-        return emit(*dynamic, traced=traced)
+            return call_sharing(emit, dynamic)  # (its jaxpr closes over this trace's values: fun is traced once)
+        return emit(*dynamic)
 
     def with_aux(self, result, arrays, aux_tree, static):
         if not self.has_aux:

@@ -215,18 +215,21 @@ def _one_of_each_dear(jaxpr):
     and parameters: the elimination's rules recompute the primal's sines) left out, its readers
     reading the earlier one's result: several equations then read that one."""
     renamed, seen, eqns = {}, {}, []
+
+    def read(atoms) -> list:
+        return [v if isinstance(v, jcore.Literal) else renamed.get(v, v) for v in atoms]
+
     for eqn in jaxpr.eqns:
-        invars = [v if isinstance(v, jcore.Literal) else renamed.get(v, v) for v in eqn.invars]
+        invars = read(eqn.invars)
         eqn = eqn.replace(invars=invars)
-        if eqn.primitive in DEAR and all(not isinstance(v, jcore.Literal) for v in invars):
+        if eqn.primitive in DEAR and _variables(invars) == invars:
             key = (eqn.primitive, tuple(invars), tuple(sorted((k, repr(p)) for k, p in eqn.params.items())))
             if key in seen:
                 renamed[eqn.outvars[0]] = seen[key]
                 continue
             seen[key] = eqn.outvars[0]
         eqns.append(eqn)
-    outvars = [v if isinstance(v, jcore.Literal) else renamed.get(v, v) for v in jaxpr.outvars]
-    return jaxpr.replace(eqns=eqns, outvars=outvars)
+    return jaxpr.replace(eqns=eqns, outvars=read(jaxpr.outvars))
 
 
 def call_sharing(fun, args) -> object:
