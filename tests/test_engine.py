@@ -505,6 +505,35 @@ def test_complex_intermediates_match_jacrev(name):
     assert_orders_match(f, (X,), 0, want, lambda problem: random_orders(problem, 3, name), rtol=1e-5, atol=1e-5)
 
 
+def _square(x):
+    """A well-conditioned 3 x 3 matrix made of the six values of X and their squares."""
+    return jnp.concatenate([x, x[:3] ** 2]).reshape(3, 3) + 2 * jnp.eye(3)
+
+
+#: library functions that reach what no other test or fuzz program does, on X: opaque svd, qr,
+#: triangular_solve and scan (jnp.polyval) vertices, custom JVP rules (slogdet's over an LU, xlogy),
+#: a sort read by interpolation (jnp.quantile), jnp.kron's broadcasts
+LIBRARY_CASES = {
+    "slogdet": lambda x: jnp.linalg.slogdet(_square(x))[1] * x,
+    "singular_values": lambda x: jnp.linalg.svd(_square(x), compute_uv=False),
+    "qr_r_factor": lambda x: jnp.linalg.qr(_square(x))[1].ravel(),
+    "solve_triangular": lambda x: jax.scipy.linalg.solve_triangular(jnp.triu(_square(x)), x[:3], lower=False),
+    "xlogy": lambda x: jax.scipy.special.xlogy(x, x[::-1] + 0.5),
+    "polyval": lambda x: jnp.polyval(x[:4], x),
+    "quantile": lambda x: jnp.quantile(jnp.sin(3 * x), jnp.array([0.3, 0.5, 0.9])),
+    "kron": lambda x: jnp.kron(x[:2].reshape(1, 2), _square(x)).ravel(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIBRARY_CASES))
+def test_library_functions_match_jacrev(name):
+    f = LIBRARY_CASES[name]
+    want = jax.jit(jax.jacrev(f))(X)
+    assert_orders_match(f, (X,), 0, want, lambda problem: ["fwd", "rev", "markowitz"] + random_orders(problem, 2, name),
+                        rtol=1e-4, atol=1e-5, staged=True)
+    assert_same_jacobian(jaxtool.jacve(f, order="markowitz")(X), want, rtol=1e-4, atol=1e-5)
+
+
 def test_complex_outputs_and_aux_follow_jacfwd():
     # jax.jacrev rejects complex outputs; jaxtool gives jax.jacfwd's complex blocks (d re + 1j d im)
     f = lambda x: (jnp.fft.fft(x) * x, {"spectrum": jnp.fft.fft(x)})  # noqa: E731
