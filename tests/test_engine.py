@@ -1549,26 +1549,26 @@ def _wide_stencil_steps(u, steps):
     return u
 
 
-def test_sums_of_more_selections_than_a_sum_keeps():
+@pytest.mark.parametrize("n, kept", [(100, False), (360, True)])  # (two cases: each takes tens of seconds)
+def test_sums_of_more_selections_than_a_sum_keeps(n, kept):
     # five steps make a band of 81 shifts: past MAX_PARTS on 100 points, where the sum is formed
     # dense (it was a lazy sum of 81 maps, and 33 three-point heat steps on 100 points, 67 shifts,
     # compiled for 16 s; 40 on 1000 points overflowed the recursion limit); on 360 points a sum
     # keeps up to 90 parts
     fun = lambda u: _wide_stencil_steps(u, 5)  # noqa: E731
-    for n, kept in ((100, False), (360, True)):
-        x = jnp.linspace(0.0, 1.0, n)
-        want = jax.jacfwd(fun)(x)
-        problem = trace_problem(fun, x)
-        for order in ("fwd", "rev", "markowitz"):
-            plan = problem.plan()  # the structure the values below take (without computing them)
-            run(plan, resolve_order(order, plan))
-            (partial,) = plan.graph.preds[plan.outputs[0]].values()
-            if kept:
-                assert isinstance(partial, Linear) and len(partial.parts) == 81, order
-            else:
-                assert isinstance(partial, Sparse) and partial.val_shape == (n, n), order
-            if order == "fwd" or not kept:  # the values of kept parts: one order (8 s an order)
-                assert_same_jacobian(jax.jit(jaxtool.jacve(fun, order=order))(x), want, rtol=1e-5, atol=1e-6)
+    x = jnp.linspace(0.0, 1.0, n)
+    want = jax.jacfwd(fun)(x)
+    problem = trace_problem(fun, x)
+    for order in ("fwd", "rev", "markowitz"):
+        plan = problem.plan()  # the structure the values below take (without computing them)
+        run(plan, resolve_order(order, plan))
+        (partial,) = plan.graph.preds[plan.outputs[0]].values()
+        if kept:
+            assert isinstance(partial, Linear) and len(partial.parts) == 81, order
+        else:
+            assert isinstance(partial, Sparse) and partial.val_shape == (n, n), order
+        if order == "fwd" or not kept:  # the values of kept parts: one order (8 s an order)
+            assert_same_jacobian(jax.jit(jaxtool.jacve(fun, order=order))(x), want, rtol=1e-5, atol=1e-6)
 
 
 def test_division_by_a_scalar_stores_one_value():
