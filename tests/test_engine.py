@@ -2051,3 +2051,17 @@ def test_strided_windows_are_recognised_exactly():
     for index in (numbers[::-1], numbers.T[:7, :7], numbers[[0, 2, 3]], np.where(numbers % 5 == 0, numbers, -1),
                   np.full(src_shape, -1), numbers[:, :3].reshape(3, 7)):
         assert partials._window(index, src_shape) is None, index
+
+
+def test_a_window_of_a_scalar_is_a_copy():
+    # a selection of a 0-d value from a 0-d value is the empty window (it raised in np.unravel_index:
+    # fuzz seed 103137 in fwd and markowitz order, through the flip of a (1,) array that jax.jacrev reads)
+    assert partials._window(np.array(0), ()) == () and partials._window(np.array(-1), ()) is None
+    rows = jnp.arange(3.0).reshape(3, 1)
+    np.testing.assert_array_equal(partials._window_take(rows, (), 1, (), ()), rows)
+    inner = jax.jacrev(lambda x: jnp.tanh(x) * jnp.sum(x))
+    f = lambda v0: inner(jnp.flip(jnp.expand_dims(v0, 0), axis=0))  # noqa: E731
+    x = np.float32(-0.4)
+    want = jax.jacrev(f)(x)
+    for order in ("fwd", "rev", "markowitz"):
+        assert_same_jacobian(jaxtool.jacve(f, order=order)(x), want, rtol=1e-6, atol=1e-6)
