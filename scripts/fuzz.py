@@ -16,7 +16,10 @@ comparison passes in float64 (``program_generator.check_case``). Such seeds are 
 with the second opinion that cleared them, and listed. The list also takes a seed where only the
 reference, ``jax.jit(jax.jacrev)``, differs from eager ``jax.jacrev``, ``jax.jit(jax.jacfwd)`` and
 every jacve order, which all agree: not rounding, but not the engine either (JAX 0.10.2 has such
-programs; ``jax.jit(jax.jacrev(lambda v: jnp.cumsum(v)[2]))`` of 5 elements returns all ones).
+programs; ``jax.jit(jax.jacrev(lambda v: jnp.cumsum(v)[2]))`` of 5 elements returns all ones). And
+a seed that differs only without XLA's optimisation passes, where compiled with them (JAX's default)
+``jax.jacrev`` and every order agree: XLA:CPU (JAX 0.10.2) without them computes some fused scalar
+programs wrongly (seed 101906).
 
     python scripts/fuzz.py                   # seeds 0..9999 on every CPU
     python scripts/fuzz.py -n 500 --start 20000 --jobs 2

@@ -224,6 +224,8 @@ def test_differences_of_values_cleared_by_a_second_opinion_are_rounding(monkeypa
     result = pg.check_case(small_case, 1)
     assert result.ok and set(result.rounding) == {pg.label(o) for o in pg.orders_for(small_case, 1)}
     assert result.reason == "jacve and jax.jacrev agree when both run eagerly"
+    monkeypatch.setattr(pg, "_optimized_failures", lambda case, orders, jacobians: {})
+    assert pg.check_case(small_case, 1).reason.startswith("XLA without its optimisations alone differs")
     monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: True)
     assert "primal output" in pg.check_case(small_case, 1).reason
     monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: False)
@@ -278,6 +280,10 @@ def test_second_opinions_on_a_correct_and_a_wrong_engine(monkeypatch, small_case
     assert not pg._reference_branch_differs(small_case)
     assert pg._eager_failures(small_case, 1) == {}
     assert pg._float64_failures(small_case, 1) == {}
+    orders = pg.orders_for(small_case, 1)
+    quick = jax.config.read("jax_disable_most_optimizations")
+    assert pg._optimized_failures(small_case, orders, pg._jacobians(small_case, orders)) == {}
+    assert jax.config.read("jax_disable_most_optimizations") == quick  # (restored)
     real = jaxtool.jacve
 
     def doubled(*args, **kwargs):  # jaxtool's own engine made wrong on purpose
@@ -286,6 +292,8 @@ def test_second_opinions_on_a_correct_and_a_wrong_engine(monkeypatch, small_case
 
     monkeypatch.setattr(jaxtool, "jacve", doubled)
     assert set(pg._eager_failures(small_case, 1)) == {pg.label(o) for o in pg.orders_for(small_case, 1)}
+    assert set(pg._optimized_failures(small_case, orders, pg._jacobians(small_case, orders))) == \
+        {pg.label(o) for o in orders}
     assert len(pg._float64_failures(small_case, 1)) == 3 + 1  # fwd, rev, markowitz, one random order
 
 
