@@ -1436,7 +1436,7 @@ def _window(index: np.ndarray, src_shape: tuple) -> Optional[tuple]:
     inner = index[tuple(slice(s, s + step * (n - 1) + 1, step) for s, step, n in runs)]
     if int(np.count_nonzero(valid)) != inner.size or not (inner >= 0).all():
         return None
-    coords = np.unravel_index(inner.reshape(-1), src_shape) if nd else ()  # (0-d: the empty window, a copy)
+    coords = _unravel(inner.reshape(-1), src_shape)  # (0-d: no coordinates, the empty window: a copy)
     window = []
     for k, (start, step, n) in enumerate(runs):
         c = coords[k].reshape(inner.shape)
