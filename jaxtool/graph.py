@@ -253,8 +253,9 @@ def _np_broadcast_in_dim(x, *, shape, broadcast_dimensions, **_):
 
 #: primitives that :func:`evaluate` computes otherwise than by ``bind`` (name -> function of the
 #: input values and the equation's params, returning its one result): a small matrix product is
-#: a fused multiply-and-sum on XLA:CPU, cheaper there than a library call (see ``partials.SMALL_CONTRACTION``)
-PRIMAL_RULES = {"dot_general": partials.dot_general}
+#: a fused multiply-and-sum on XLA:CPU, cheaper there than a library call (see ``partials.SMALL_CONTRACTION``),
+#: and a small sum a sum of slices at a point (``partials.POINT_SUM``)
+PRIMAL_RULES = {"dot_general": partials.dot_general, "reduce_sum": partials.reduce_sum}
 
 #: NumPy forms of integer and boolean primitives, for values computed from constants (see :func:`evaluate`)
 def _np_elementwise(function):

@@ -49,6 +49,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxtool.point_forms import two_forms
+
 HIGHEST = lax.Precision.HIGHEST
 
 
@@ -942,55 +944,68 @@ def _product_plan(b_key: tuple, a_key: tuple) -> _ProductPlan:
 
 #: Products with at most this many scalar multiplications, and products that sum no axis the two factors
 #: share (scalings, outer products), are written as broadcast-multiply(-sum), which XLA fuses with its
-#: neighbours; larger contractions, those that sum more than :data:`UNROLLED_SUM` terms, and every
-#: matrix-vector product (:func:`_is_matvec`), go to ``dot_general``. On XLA:CPU a small
-#: matrix-matrix ``dot`` is a call of its own, dearer than its arithmetic: the encoder's Jacobian at
-#: a point (rev order, pinned to one CPU) took 57.0 us with a limit of 64 and its primal products as
-#: ``dot``, 48.2 us with 256 and :func:`dot_general` for them, 48.1 us with 1024 (``jax.jacrev``:
-#: 57.5 us). A matrix-vector ``dot`` is the faster form, most of all under ``vmap``: with it, over
-#: 1024 points, the rev-order Jacobian of roe_flux_3d took 0.34 ms instead of 1.29 ms, perceptron's
-#: 0.105 ms instead of 0.176 ms (pinned; ``jax.jacrev``: 1.27, 0.18).
+#: neighbours; larger contractions, and those that sum more than :data:`POINT_SUM` terms, go to
+#: ``dot_general``. On XLA:CPU a small matrix-matrix ``dot`` is a call of its own, dearer than its
+#: arithmetic: the encoder's Jacobian at a point (rev order, pinned to one CPU) took 57.0 us with a
+#: limit of 64 and its primal products as ``dot``, 48.2 us with 256 and :func:`dot_general` for them,
+#: 48.1 us with 1024 (``jax.jacrev``: 57.5 us). A matrix-vector product, and a contraction that sums
+#: more than :data:`UNROLLED_SUM` terms, has two forms (:mod:`jaxtool.point_forms`): written out at a
+#: point, a ``dot`` under ``jax.vmap``, where it is the faster form: with it, over 1024 points, the
+#: rev-order Jacobian of roe_flux_3d took 0.34 ms instead of 1.29 ms, perceptron's 0.105 ms instead
+#: of 0.176 ms (pinned; ``jax.jacrev``: 1.27, 0.18).
 SMALL_CONTRACTION = 256
 
 #: a fused multiply-and-sum over at most this many terms is written as a sum of slices, not a
-#: ``reduce_sum``: XLA:CPU hands small multiply-reduce chains, most of all vmapped ones, to a library
-#: call (a YNNPACK fusion) that nothing fuses with. Over 1024 points the rev-order Jacobian of the
-#: encoder (4x4 products) took 4.4 ms with sums of slices, 10.3 ms with ``reduce_sum``; of
-#: ``real((x + 1j y)**3 * exp(1j x))`` (2x2 blocks of complex values) over 256 points, 0.05 ms, not 0.2.
-#: XLA compiles the slices into its own loops: the encoder's first call took 1.45x as long.
-#: A contraction that sums more terms goes to ``dot_general``, however small: its product, which
-#: that library call cannot take in, would be made in memory first. Over 1024 points the mlp sample's
-#: rev-order Jacobian (an 8x16 by 16x2 product) took 1.39 ms so, 10.4 ms as broadcast-multiply and
-#: ``reduce_sum`` (one CPU, interleaved; ``jax.jacrev``: 1.2-2.3 ms).
+#: ``reduce_sum``, also under ``jax.vmap``: XLA:CPU hands small multiply-reduce chains, most of all
+#: vmapped ones, to a library call (a YNNPACK fusion) that nothing fuses with. Over 1024 points the
+#: rev-order Jacobian of the encoder (4x4 products) took 4.4 ms with sums of slices, 10.3 ms with
+#: ``reduce_sum``; of ``real((x + 1j y)**3 * exp(1j x))`` (2x2 blocks of complex values) over 256
+#: points, 0.05 ms, not 0.2. XLA compiles the slices into its own loops: the encoder's first call took
+#: 1.45x as long. A contraction that sums more terms goes to ``dot_general`` under ``jax.vmap``: its
+#: product, which that library call cannot take in, would be made in memory first. Over 1024 points
+#: the mlp sample's rev-order Jacobian (an 8x16 by 16x2 product) took 1.39 ms so, 10.4 ms as
+#: broadcast-multiply and ``reduce_sum`` (one CPU, interleaved; ``jax.jacrev``: 1.2-2.3 ms).
 UNROLLED_SUM = 4
+
+#: at a point (:mod:`jaxtool.point_forms`), sums of at most this many terms are written out: the
+#: primal's ``reduce_sum`` and the contractions of :data:`UNROLLED_SUM`'s next size. More terms
+#: gained nothing more (perceptron's rev order: 20.4 us with 8, 20.2 us with 16) and cost more
+#: under ``jax.vmap`` where a contraction's two forms did not reach (the encoder's rev order over
+#: 1024 points: 12.0 ms with 16 written out everywhere, 6.4 ms with 8, 5.6 ms as before).
+POINT_SUM = 8
 
 
 def fuses_small_products() -> bool:
     """Whether small contractions and sums are written out as above (:data:`SMALL_CONTRACTION`,
-    :data:`UNROLLED_SUM`): for JAX's default backend XLA:CPU only. Elsewhere every contraction is a
-    ``dot_general`` and every sum a ``reduce_sum``: XLA:GPU's priority fusion takes minutes over the
-    written-out forms. On an H200 (JAX 0.11.2) the encoder's rev-order Jacobian compiled in 60 s with
-    them, 51.8 s of it in priority fusion, and in 1.05 s without (``jax.jacrev``'s: 0.89 s); its fwd
-    order did not compile in 75 s with them, and did in 3.5 s without."""
+    :data:`UNROLLED_SUM`, :data:`POINT_SUM`): for JAX's default backend XLA:CPU only. Elsewhere every
+    contraction is a ``dot_general`` and every sum a ``reduce_sum``: XLA:GPU's priority fusion takes
+    minutes over the written-out forms. On an H200 (JAX 0.11.2) the encoder's rev-order Jacobian
+    compiled in 60 s with them, 51.8 s of it in priority fusion, and in 1.05 s without (``jax.jacrev``'s:
+    0.89 s); its fwd order did not compile in 75 s with them, and did in 3.5 s without."""
     return jax.default_backend() == "cpu"
+
+
+def _wide_float(dtype) -> bool:
+    """float32 or float64: a library sum or dot of narrower floats accumulates in float32, a
+    written-out one would not."""
+    return np.dtype(dtype) in (np.float32, np.float64)
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
     """``lax.dot_general``, as a fused multiply-and-sum where it takes at most :data:`SMALL_CONTRACTION`
-    scalar multiplications of float32 or float64 values, sums at most :data:`UNROLLED_SUM` terms and
-    is not a matrix-vector product (the primal of a small matrix product), on XLA:CPU
-    (:func:`fuses_small_products`)."""
+    scalar multiplications of float32 or float64 values and sums at most :data:`UNROLLED_SUM` terms,
+    or in two forms (:func:`_contract`) where it is a matrix-vector product or sums at most
+    :data:`POINT_SUM`, on XLA:CPU (:func:`fuses_small_products`)."""
     (lc, rc), (lb, rb) = dimension_numbers
     dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     lhs_free = [a for a in range(lhs.ndim) if a not in lc and a not in lb]
     rhs_free = [a for a in range(rhs.ndim) if a not in rc and a not in rb]
     out_shape = [lhs.shape[a] for a in lb] + [lhs.shape[a] for a in lhs_free] + [rhs.shape[a] for a in rhs_free]
     loop = _size(out_shape) * _size([lhs.shape[a] for a in lc])
-    # float32 and float64 only: a library dot of narrower floats accumulates in float32, a sum would not
-    wide_floats = all(np.dtype(t) in (np.float32, np.float64) for t in (lhs.dtype, rhs.dtype, dtype))
-    matvec = not lb and not (lhs_free and rhs_free)
     small = loop <= SMALL_CONTRACTION and fuses_small_products()
-    if not small or matvec or not wide_floats or out_sharding is not None:
+    matvec = not lb and not (lhs_free and rhs_free)
+    if not small or (matvec and _size(lhs.shape[a] for a in lc) > POINT_SUM) or out_sharding is not None \
+            or not all(_wide_float(t) for t in (lhs.dtype, rhs.dtype, dtype)):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, out_sharding=out_sharding)
     letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -1006,6 +1021,64 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         tuple(rhs_spec[a] for a in rhs_free)
     operands = [(lhs, tuple(range(lhs.ndim))), (rhs, tuple(range(rhs.ndim)))]
     return _contract(operands, ("".join(lhs_spec), "".join(rhs_spec)), out_layout, loop, dtype)
+
+
+def reduce_sum(x, **params):
+    """``lax.reduce_sum``, in two forms (a sum of slices at a point, :class:`_WrittenSum`) where it sums
+    at most :data:`POINT_SUM` terms of float32 or float64 values, on XLA:CPU (:func:`fuses_small_products`)."""
+    axes = tuple(params["axes"])
+    terms = _size(x.shape[a] for a in axes)
+    if 1 < terms <= POINT_SUM and _wide_float(x.dtype) and params.get("out_sharding") is None \
+            and fuses_small_products():
+        shape = tuple(n for a, n in enumerate(x.shape) if a not in axes)
+        return two_forms(_WrittenSum(axes, shape, np.dtype(x.dtype)), x)
+    return lax.reduce_sum_p.bind(x, **params)
+
+
+def _sum_of_slices(x, axes):
+    """``reduce_sum(x, axes)`` as the sum of the slices of ``x`` along ``axes``, which XLA fuses."""
+    total = None
+    for index in np.ndindex(*(x.shape[a] for a in axes)):
+        start = [0] * x.ndim
+        for a, i in zip(axes, index):
+            start[a] = i
+        limit = [s + 1 if n in axes else x.shape[n] for n, s in enumerate(start)]
+        term = lax.squeeze(lax.slice(x, tuple(start), tuple(limit)), axes)
+        total = term if total is None else lax.add(total, term)
+    return total
+
+
+@dataclass(frozen=True)
+class _WrittenSum:
+    """The two forms (:mod:`jaxtool.point_forms`) of a sum of a few terms: slices added up, ``reduce_sum``."""
+
+    axes: tuple
+    shape: tuple
+    dtype: np.dtype
+
+    def at_a_point(self, x):
+        return _sum_of_slices(x, self.axes)
+
+    def batched(self, x):
+        return lax.reduce_sum(x, self.axes)
+
+
+@dataclass(frozen=True)
+class _SmallContraction:
+    """The two forms (:mod:`jaxtool.point_forms`) of a small contraction (:func:`_contract`'s arguments):
+    written out (a broadcast product and its sum of slices), and ``dot_general``."""
+
+    keeps: tuple
+    specs: tuple
+    out_layout: tuple
+    shape: tuple
+    dtype: np.dtype
+
+    def at_a_point(self, *values):
+        return _written_out(list(zip(values, self.keeps)), self.specs, self.out_layout, POINT_SUM)
+
+    def batched(self, *values):
+        return _by_dot(list(zip(values, self.keeps)), self.specs, self.out_layout, self.shape, self.dtype)
 
 
 def _contract(operands, specs, out_layout, loop, dtype):
@@ -1027,30 +1100,37 @@ def _contract(operands, specs, out_layout, loop, dtype):
     contracted = (set(specs[0]) & set(specs[1])) - set(out_spec) if len(operands) == 2 else ()
     fused = fuses_small_products()
     summed = _size(sizes[l] for l in contracted)
-    if contracted and (loop > SMALL_CONTRACTION or summed > UNROLLED_SUM or _is_matvec(specs, out_spec) or not fused):
-        kept = [reshaped(v, tuple(v.shape[n] for n in keep)) for v, keep in operands]
-        return reshaped(_dot(kept, specs, out_spec, dtype), out_shape)
+    if contracted and (loop > SMALL_CONTRACTION or summed > POINT_SUM or not fused):
+        return _by_dot(operands, specs, out_layout, out_shape, dtype)
+    if contracted and (summed > UNROLLED_SUM or _is_matvec(specs, out_spec)):
+        forms = _SmallContraction(tuple(keep for _, keep in operands), tuple(specs), tuple(out_layout), out_shape,
+                                  np.dtype(dtype))
+        return two_forms(forms, *(v for v, _ in operands))
+    return _written_out(operands, specs, out_layout, UNROLLED_SUM if fused else 0)
+
+
+def _by_dot(operands, specs, out_layout, out_shape, dtype):
+    """:func:`_contract` of two operands as one ``dot_general`` (:func:`_dot`)."""
+    kept = [reshaped(v, tuple(v.shape[n] for n in keep)) for v, keep in operands]
+    return reshaped(_dot(kept, specs, "".join(l for l in out_layout if l is not None), dtype), out_shape)
+
+
+def _written_out(operands, specs, out_layout, unrolled: int):
+    """:func:`_contract` as a broadcast product, its sum over at most ``unrolled`` terms a sum of
+    slices (:func:`_sum_of_slices`), over more a :func:`reduce_sum`."""
+    sizes = {l: v.shape[n] for (v, keep), spec in zip(operands, specs) for n, l in zip(keep, spec)}
     layout = _summation_layout(operands, specs, out_layout)
     full = tuple(sizes[l] if l in sizes else 1 for l in layout)
     product = None
     for (v, keep), spec in zip(operands, specs):
         v = _laid_out(v, keep, spec, layout, full)
         product = v if product is None else lax.mul(product, v)
-    summed_axes = tuple(n for n, l in enumerate(layout) if l is not None and l not in out_spec)
+    summed_axes = tuple(n for n, l in enumerate(layout) if l is not None and l not in out_layout)
     if not summed_axes:
         return product
-    terms = _size(full[n] for n in summed_axes)
-    if not (0 < terms <= UNROLLED_SUM and fused):  # (a sum of no terms is zero)
-        return lax.reduce_sum(product, summed_axes)
-    total = None
-    for index in np.ndindex(*(full[n] for n in summed_axes)):
-        start = [0] * len(full)
-        for n, i in zip(summed_axes, index):
-            start[n] = i
-        limit = [s + 1 if n in summed_axes else full[n] for n, s in enumerate(start)]
-        term = lax.squeeze(lax.slice(product, tuple(start), tuple(limit)), summed_axes)
-        total = term if total is None else lax.add(total, term)
-    return total
+    if 0 < _size(full[n] for n in summed_axes) <= unrolled:  # (a sum of no terms is zero)
+        return _sum_of_slices(product, summed_axes)
+    return reduce_sum(product, axes=summed_axes)
 
 
 def _summation_layout(operands, specs, out_layout) -> tuple:

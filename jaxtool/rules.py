@@ -31,6 +31,7 @@ from jaxtool.graph import NUMPY_RULES, FlatEqn, bind
 from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, cast, reshaped, selection_from_index,
                               sum_of_selections)
 from jaxtool.printing import subjaxprs
+from jaxtool.point_forms import two_forms_p
 from jaxtool.sharing import materialize_p, once_p
 
 Rule = Callable  # (eqn, invals, outvals, wrt) -> list[(int, int, Partial)]
@@ -792,6 +793,20 @@ def _as_jax_arrays(invals) -> list:
 @register(P.custom_jvp_call_p)
 def custom_jvp(eqn, invals, outvals, wrt):
     """The user's JVP rule, traced and eliminated as a linear sub-program: its structure survives."""
+    return _jvp_eliminated(eqn, invals, outvals, wrt, lambda *full: bind(eqn, *full))
+
+
+@register(two_forms_p)
+def two_forms(eqn, invals, outvals, wrt):
+    """A computation ``jacve`` writes in two forms (:mod:`jaxtool.point_forms`), in a Jacobian of a
+    ``jacve`` Jacobian: the JVP of its batched form, eliminated as a linear sub-program."""
+    batched = eqn.params["forms"].batched
+    return _jvp_eliminated(eqn, invals, outvals, wrt, lambda *full: [batched(*full)])
+
+
+def _jvp_eliminated(eqn, invals, outvals, wrt, apply):
+    """The partials of ``eqn``, whose results are ``apply(*invals)`` (a list), from JAX's JVP of
+    ``apply``, traced and eliminated as a linear sub-program: its structure survives."""
     from jaxtool.elimination import linear_partials
 
     invals = _as_jax_arrays(invals)
@@ -802,7 +817,7 @@ def custom_jvp(eqn, invals, outvals, wrt):
             full = list(primals)
             for i, x in zip(wrt, xs):
                 full[i] = x
-            return bind(eqn, *full)
+            return apply(*full)
 
         return jax.jvp(of_wrt, tuple(primals[i] for i in wrt), tuple(ts))[1]
 

@@ -639,6 +639,58 @@ def test_shared_scalars_are_computed_once_on_cpu(monkeypatch):
     assert shared < 1000 <= copied, (shared, copied)
 
 
+def test_small_sums_and_matrix_vector_products_are_written_out_at_a_point_only():
+    """Small sums (the primal's and the elimination's) and matrix-vector products are ``two_forms``
+    equations (:mod:`jaxtool.point_forms`): XLA:CPU at a point gets them as sums of slices and
+    broadcast products, with no ``dot_general`` or ``reduce`` of their own; under ``jax.vmap`` and
+    for other platforms they are the ``dot_general`` and ``reduce`` they were. Jacobians unchanged in
+    every order, at a point and batched, and as second derivatives (forward, reverse, and ``jacve``
+    of ``jacve``, whose rule for them eliminates the JVP of their batched form)."""
+    from jaxtool.point_forms import two_forms_p
+
+    perceptron, args = load_sample("perceptron")
+    argnums = tuple(range(8))
+    batch = tuple(v * jnp.linspace(0.9, 1.1, 16, dtype=jnp.float32).reshape((16,) + (1,) * v.ndim) for v in args)
+    want, want_batched = jax.jacrev(perceptron, argnums)(*args), jax.vmap(jax.jacrev(perceptron, argnums))(*batch)
+    for order in ["fwd", "rev", "markowitz"] + random_orders(trace_problem(perceptron, *args, argnums=argnums), 2, 4):
+        jacobian = jaxtool.jacve(perceptron, order, argnums)
+        assert "two_forms" in str(jax.make_jaxpr(jacobian)(*args)), order
+        assert_same_jacobian(jax.jit(jacobian)(*args), want, rtol=1e-5, atol=1e-6)
+        assert_same_jacobian(jax.jit(jax.vmap(jacobian))(*batch), want_batched, rtol=1e-5, atol=1e-6)
+
+    def library_calls(lowered) -> tuple:
+        text = lowered.as_text()
+        return text.count("stablehlo.dot_general"), text.count("stablehlo.reduce(")
+
+    rev = jaxtool.jacve(perceptron, "rev", argnums)
+    dots, reductions = library_calls(jax.jit(rev).lower(*args))
+    assert dots == 0 and reductions == 1, (dots, reductions)  # (the one left: log_softmax's max)
+    on_gpu = jax.jit(rev).trace(*args).lower(lowering_platforms=("cuda",))
+    for lowered in (jax.jit(jax.vmap(rev)).lower(*batch), on_gpu):
+        dots, reductions = library_calls(lowered)
+        assert dots >= 4 and reductions >= 5, (dots, reductions)
+    # the primitive itself: eagerly, jitted, batched, differentiated
+    x, w = jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32), jnp.arange(24, dtype=jnp.float32).reshape(4, 6) / 10
+    contraction = lambda w, x: partials.dot_general(w, x, (((1,), (0,)), ((), ())))  # noqa: E731
+    small_sum = lambda x: partials.reduce_sum(jnp.sin(x), axes=(0,))  # noqa: E731
+    assert "two_forms" in str(jax.make_jaxpr(contraction)(w, x)) and "two_forms" in str(jax.make_jaxpr(small_sum)(x))
+    cases = ((contraction, lambda w, x: w @ x, (w, x)), (small_sum, lambda x: jnp.sin(x).sum(), (x,)))
+    for fun, reference, operands in cases:
+        for f in (fun, jax.jit(fun)):
+            np.testing.assert_allclose(f(*operands), reference(*operands), rtol=1e-6)
+            np.testing.assert_allclose(jax.jacfwd(f)(*operands), jax.jacfwd(reference)(*operands), rtol=1e-6)
+            np.testing.assert_allclose(jax.jacrev(f)(*operands), jax.jacrev(reference)(*operands), rtol=1e-6)
+        stacked = tuple(jnp.stack([v, 2 * v]) for v in operands)
+        np.testing.assert_allclose(jax.vmap(fun)(*stacked), jax.vmap(reference)(*stacked), rtol=1e-6)
+    assert two_forms_p.bind(x, forms=partials._WrittenSum((0,), (), np.dtype(np.float32))).shape == ()
+    loss = lambda x, W1: perceptron(x, args[1], W1, *args[3:])  # noqa: E731
+    hessian = jax.hessian(loss, (0, 1))(args[0], args[2])
+    inner = jaxtool.jacve(loss, "rev", (0, 1))
+    for second in (jaxtool.jacve(inner, "fwd", (0, 1)), jax.jacfwd(inner, (0, 1)), jax.jacrev(inner, (0, 1))):
+        assert_same_jacobian(jax.jit(second)(args[0], args[2]), hessian, rtol=1e-4, atol=1e-5)
+    jax.extend.core.check_jaxpr(jax.make_jaxpr(inner)(args[0], args[2]).jaxpr)
+
+
 def test_sines_several_equations_read_are_computed_once_where_large(monkeypatch):
     """Sines, cosines and tangents that several equations of a staged Jacobian read pass through
     ``computed_once`` (:mod:`jaxtool.sharing`): XLA:CPU copies them into every kernel that reads
@@ -1888,10 +1940,12 @@ def test_zero_size_partials_of_loops_are_densified():
     ((0, 3), (3, 2), (((1,), (0,)), ((), ()))),
     ((3, 0), (0, 2), (((1,), (0,)), ((), ()))),  # a sum of no terms: zeros
     ((2, 3), (3, 2), (((1,), (0,)), ((), ()))),  # a sum of 3 terms: written out as additions
-    ((8, 16), (16, 2), (((1,), (0,)), ((), ()))),  # a sum of 16 terms, over UNROLLED_SUM: lax.dot_general
+    ((4, 6), (6, 2), (((1,), (0,)), ((), ()))),  # a sum of 6 terms, over UNROLLED_SUM: two forms
+    ((8, 16), (16, 2), (((1,), (0,)), ((), ()))),  # a sum of 16 terms, over POINT_SUM: lax.dot_general
     ((32, 32), (32, 32), (((1,), (0,)), ((), ()))),  # over SMALL_CONTRACTION: lax.dot_general itself
-    ((8, 4), (4,), (((1,), (0,)), ((), ()))),  # matrix-vector products: lax.dot_general whatever their size
+    ((8, 4), (4,), (((1,), (0,)), ((), ()))),  # small matrix-vector products: two forms
     ((4,), (4, 8), (((0,), (0,)), ((), ()))),
+    ((4, 12), (12,), (((1,), (0,)), ((), ()))),  # over POINT_SUM: lax.dot_general
 ])
 def test_primal_dot_general_matches_lax(lhs_shape, rhs_shape, dimension_numbers):
     rng = np.random.default_rng(0)
@@ -1903,8 +1957,10 @@ def test_primal_dot_general_matches_lax(lhs_shape, rhs_shape, dimension_numbers)
     (lc, rc), (lb, _) = dimension_numbers
     matvec = not lb and (len(lc) == len(lhs_shape) or len(rc) == len(rhs_shape))
     summed = int(np.prod([lhs_shape[a] for a in lc]))
-    assert any(e.primitive is lax.dot_general_p for e in fused.eqns) == (
-        loop > partials.SMALL_CONTRACTION or summed > partials.UNROLLED_SUM or matvec)
+    library = loop > partials.SMALL_CONTRACTION or summed > partials.POINT_SUM
+    two_forms = not library and (summed > partials.UNROLLED_SUM or matvec)
+    assert any(e.primitive is lax.dot_general_p for e in fused.eqns) == library
+    assert any(e.primitive.name == "two_forms" for e in fused.eqns) == two_forms
     for got in (partials.dot_general(lhs, rhs, dimension_numbers),
                 jax.jit(lambda a, b: partials.dot_general(a, b, dimension_numbers))(lhs, rhs)):
         assert got.shape == expected.shape and got.dtype == expected.dtype
@@ -1962,7 +2018,7 @@ def test_contractions_reach_dot_general_in_canonical_form():
 
 
 
-@pytest.mark.parametrize("summed", [3, 7])  # a sum written out term by term; a reduce_sum or a dot_general
+@pytest.mark.parametrize("summed", [3, 7, 11])  # written out term by term; in two forms; a dot_general
 def test_written_out_contractions_sum_an_axis_where_the_larger_operand_has_it(summed):
     # a summed axis between two kept ones (sum(a[i, j, c] * b[i, j], j)) is summed where it is: moving it
     # last made XLA materialise a transposed copy of the product (256-body energy: 1.5x jax.jacrev)
@@ -1978,12 +2034,18 @@ def test_written_out_contractions_sum_an_axis_where_the_larger_operand_has_it(su
             return partials._contract(operands, (sa, sb), so, 2 * summed * 5, np.dtype(np.float32))
 
         want = jnp.einsum(f"{sa},{sb}->{''.join(l for l in so if l)}", a, b)
-        np.testing.assert_allclose(contract(a, b), want.reshape([1 if l is None else sizes[l] for l in so]),
-                                   rtol=1e-5, atol=1e-5)
+        for f in (contract, jax.jit(contract)):
+            np.testing.assert_allclose(f(a, b), want.reshape([1 if l is None else sizes[l] for l in so]),
+                                       rtol=1e-5, atol=1e-5)
         eqns = jax.make_jaxpr(contract)(a, b).eqns
-        if "j" in sb and summed > partials.UNROLLED_SUM:  # a contraction of more terms: lax.dot_general
+        if "j" in sb and summed > partials.POINT_SUM:  # a contraction of more terms: lax.dot_general
             assert any(e.primitive is lax.dot_general_p for e in eqns), (sa, sb, so)
             continue
+        if "j" in sb and summed > partials.UNROLLED_SUM:  # two forms: lax.dot_general under vmap
+            (eqn,) = [e for e in eqns if e.primitive.name == "two_forms"]
+            forms = eqn.params["forms"]
+            assert any(e.primitive is lax.dot_general_p for e in jax.make_jaxpr(forms.batched)(a, b).eqns)
+            eqns = jax.make_jaxpr(forms.at_a_point)(a, b).eqns
         in_order = [l for l in sa if l in so] == [l for l in so if l]
         transposed = [e.invars[0].aval.shape for e in eqns if e.primitive is lax.transpose_p]
         assert not (in_order and a.size >= b.size and a.shape in transposed), (sa, sb, so)
