@@ -1130,7 +1130,7 @@ def _written_out(operands, specs, out_layout, unrolled: int):
         return product
     if 0 < _size(full[n] for n in summed_axes) <= unrolled:  # (a sum of no terms is zero)
         return _sum_of_slices(product, summed_axes)
-    return reduce_sum(product, axes=summed_axes)
+    return reduce_sum(product, axes=summed_axes, out_sharding=None)
 
 
 def _summation_layout(operands, specs, out_layout) -> tuple:
