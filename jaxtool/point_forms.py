@@ -3,12 +3,12 @@
 XLA:CPU makes every reduction and every ``dot`` a kernel of its own, which nothing fuses with; a
 few slices added up, or a broadcast product summed so, fuse with the arithmetic around them. At a
 point, where a Jacobian's call time is mostly its kernels, small sums and matrix-vector products
-written out are the faster form: perceptron's reverse-order Jacobian took 18.8 us so, 21.9 us as
-``reduce_sum`` and ``dot`` (the encoder's: 58.2 us, 63.1 us; pinned to one CPU, interleaved;
-``jax.jacrev``: 22.0 us, 84.4 us). Over a batch the written-out forms lose: over 1024 points those
-two took 0.34 ms and 5.55 ms written out, 0.20 ms and 4.33 ms with the library calls, and
-perceptron's markowitz order 1.17 ms against 0.26 ms (a batch of sums is a loop XLA:CPU hands to a
-library; its written-out form is a product made in memory first).
+written out are the faster form: perceptron's reverse-order Jacobian took 19.9 us so, 22.6 us as
+``reduce_sum`` and ``dot`` (the encoder's: 59.4 us, 63.9 us; each pinned to one CPU, interleaved
+with ``jax.jacrev``: 22.8-23.1 us, 83.8-85.8 us). Over a batch the written-out forms lose: over
+1024 points those two took 0.34 ms and 5.55 ms written out, 0.20 ms and 4.33 ms with the library
+calls, and perceptron's markowitz order 1.17 ms against 0.26 ms (a batch of sums is a loop XLA:CPU
+hands to a library; its written-out form is a product made in memory first).
 
 :data:`two_forms_p` carries both forms of one computation: its operands, and ``forms``, a hashable
 object with the methods ``at_a_point(*operands)`` and ``batched(*operands)`` and the attributes
