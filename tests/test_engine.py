@@ -107,8 +107,16 @@ def test_sample_programs_all_orders_match_jacrev(stem):
     assert_orders_match(fun, args, argnums, want,
                         lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 5, seed=len(stem)),
                         rtol=1e-4, atol=1e-5, staged=is_array_program(args))
-    # and once through the staged public API
-    assert_same_jacobian(jaxtool.jacve(fun, order="markowitz", argnums=argnums)(*args), want, rtol=1e-4, atol=1e-5)
+    # and once through the staged public API, at the point and over a batch of points (the written-out
+    # small sums and products of jaxtool.point_forms are library calls there)
+    jacobian = jaxtool.jacve(fun, order="markowitz", argnums=argnums)
+    assert_same_jacobian(jacobian(*args), want, rtol=1e-4, atol=1e-5)
+    scales = jnp.array([0.9, 1.0, 1.1], jnp.float32)
+    batch = tuple(jax.tree_util.tree_map(lambda x: scales.reshape((3,) + (1,) * jnp.ndim(x)).astype(x.dtype) * x, a)
+                  if i in argnums else a for i, a in enumerate(args))
+    in_axes = tuple(0 if i in argnums else None for i in range(len(args)))
+    assert_same_jacobian(jax.jit(jax.vmap(jacobian, in_axes))(*batch),
+                         jax.vmap(jax.jacrev(fun, argnums=argnums), in_axes)(*batch), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("stem", ["roe_flux_1d", "robot_arm_6dof", "perceptron", "branches", "scan_rnn"])
