@@ -23,12 +23,13 @@ import jax
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-two_forms_p = jcore.Primitive("two_forms")
-two_forms_p.def_impl(lambda *operands, forms: forms.batched(*operands))
-two_forms_p.def_abstract_eval(lambda *avals, forms: jax.core.ShapedArray(forms.shape, forms.dtype))
-mlir.register_lowering(two_forms_p, mlir.lower_fun(lambda *xs, forms: forms.batched(*xs), multiple_results=False))
-mlir.register_lowering(two_forms_p, mlir.lower_fun(lambda *xs, forms: forms.at_a_point(*xs), multiple_results=False),
-                       platform="cpu")
+
+def _as_batched(*operands, forms):
+    return forms.batched(*operands)
+
+
+def _as_at_a_point(*operands, forms):
+    return forms.at_a_point(*operands)
 
 
 def _jvp(primals, tangents, *, forms):
@@ -36,12 +37,17 @@ def _jvp(primals, tangents, *, forms):
     return two_forms_p.bind(*primals, forms=forms), jax.jvp(forms.batched, tuple(primals), tangents)[1]
 
 
-def _batched(operands, dims, *, forms):
+def _batching_rule(operands, dims, *, forms):
     return jax.vmap(forms.batched, in_axes=tuple(dims))(*operands), 0
 
 
+two_forms_p = jcore.Primitive("two_forms")
+two_forms_p.def_impl(_as_batched)
+two_forms_p.def_abstract_eval(lambda *avals, forms: jax.core.ShapedArray(forms.shape, forms.dtype))
+mlir.register_lowering(two_forms_p, mlir.lower_fun(_as_batched, multiple_results=False))
+mlir.register_lowering(two_forms_p, mlir.lower_fun(_as_at_a_point, multiple_results=False), platform="cpu")
 ad.primitive_jvps[two_forms_p] = _jvp
-batching.primitive_batchers[two_forms_p] = _batched
+batching.primitive_batchers[two_forms_p] = _batching_rule
 
 
 def two_forms(forms, *operands):
