@@ -53,4 +53,3 @@ batching.primitive_batchers[two_forms_p] = _batching_rule
 def two_forms(forms, *operands):
     """The result of ``forms`` on ``operands`` (see the module docstring)."""
     return two_forms_p.bind(*operands, forms=forms)
-
