@@ -13,6 +13,7 @@ an order, or choosing one greedily, needs shapes and structures only.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxtool import bundles
 from jaxtool.errors import UsageError
 from jaxtool.graph import Const, FlatProgram, Input, evaluate, flatten, read
 from jaxtool.partials import Cost, Partial, Sparse, add, cast, matmul, reshaped, shared_applications
@@ -54,9 +56,12 @@ class EdgeGraph:
         old = self.preds.get(v, {}).get(u)
         if old is not None:
             partial, cost = add(old, partial)
+        self._set_edge(u, v, partial)
+        return cost
+
+    def _set_edge(self, u: int, v: int, partial: Partial) -> None:
         self.preds.setdefault(v, {})[u] = partial
         self.succs.setdefault(u, {})[v] = partial
-        return cost
 
     def copy(self) -> "EdgeGraph":
         """An independent copy (partials are immutable and shared)."""
@@ -91,10 +96,41 @@ class EdgeGraph:
         for w in succs:
             del self.preds[w][v]
         total = Cost()
-        for u, a in preds.items():
-            for w, b in succs.items():
-                c, cost = matmul(b, a)
-                total += cost + self.add_edge(u, w, c)
+        for w, b in succs.items():
+            for members in bundles.bundles(preds, b):
+                products = bundles.products(b, [preds[u] for u in members]) if len(members) > 1 else None
+                if products is None:
+                    for u in members:
+                        c, cost = matmul(b, preds[u])
+                        total += cost + self.add_edge(u, w, c)
+                else:
+                    total += self._add_bundle(members, w, products)
+        return total
+
+    def _add_bundle(self, members: list, w: int, products: list) -> Cost:
+        """Add the ``(partial, cost)`` ``products`` to the edges ``u -> w`` of ``members``, the sums of
+        one structure bundled (:mod:`jaxtool.bundles`); their cost and the products'."""
+        total = Cost()
+        olds = self.preds.get(w, {})
+        by_structure = collections.defaultdict(list)
+        for k, (u, (c, cost)) in enumerate(zip(members, products)):
+            total += cost
+            old = olds.get(u)
+            if old is None:
+                self._set_edge(u, w, c)
+            else:
+                by_structure[(bundles.bundle_key(old), bundles.bundle_key(c))].append(k)
+        for (old_key, new_key), ks in by_structure.items():
+            sums = None
+            if len(ks) > 1 and old_key is not None and new_key is not None:
+                sums = bundles.sums([olds[members[k]] for k in ks], [products[k][0] for k in ks])
+            if sums is None:
+                for k in ks:
+                    total += self.add_edge(members[k], w, products[k][0])
+                continue
+            for k, (s, cost) in zip(ks, sums):
+                total += cost
+                self._set_edge(members[k], w, s)
         return total
 
     def neighbours(self, v: int) -> set:

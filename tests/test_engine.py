@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.util
 import itertools
@@ -2135,3 +2136,68 @@ def test_a_window_of_a_scalar_is_a_copy():
     want = jax.jacrev(f)(x)
     for order in ("fwd", "rev", "markowitz"):
         assert_same_jacobian(jaxtool.jacve(f, order=order)(x), want, rtol=1e-6, atol=1e-6)
+
+
+def _equations(jaxpr) -> collections.Counter:
+    """Primitive names of ``jaxpr``'s equations and of the jaxprs nested in them, counted."""
+    counts = collections.Counter()
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] += 1
+        for _, _, sub in subjaxprs(eqn.params):
+            counts.update(_equations(sub))
+    return counts
+
+
+def test_products_of_one_structure_are_bundled(monkeypatch):
+    """In forward order each of the encoder's vertices carries a partial from each of its 16 inputs,
+    many of one structure: each such bundle is multiplied, and added to the edges already there, at
+    once (:mod:`jaxtool.bundles`). The same Jacobian and the same counted cost as pair by pair, in
+    about half the arithmetic equations (each bundle's product is split back into its pieces, an
+    equation each); the values eliminated and the plan cost the same."""
+    from jaxtool import bundles
+    from jaxtool.jacobian import clear_caches
+
+    encoder, args = load_sample("encoder")
+    argnums = tuple(range(16))
+    want = jax.jacrev(encoder, argnums)(*args)
+    problem = trace_problem(encoder, *args, argnums=argnums)
+    order = resolve_order("fwd", problem)
+    made = []
+    original = bundles.products
+    monkeypatch.setattr(bundles, "products", lambda b, parts: made.append(len(parts)) or original(b, parts))
+    bundled_cost = run(problem.copy(), order)
+    assert len(made) > 50 and max(made) == 8, made
+    assert bundled_cost == run(problem.plan(), order)
+    bundled = jaxtool.jacve(encoder, "fwd", argnums)
+    assert_same_jacobian(jax.jit(bundled)(*args), want, rtol=1e-4, atol=1e-5)
+    arithmetic = ("mul", "add", "dot_general")
+    bundled_equations = sum(_equations(jax.make_jaxpr(bundled)(*args).jaxpr)[p] for p in arithmetic)
+
+    monkeypatch.setattr(bundles, "bundles", lambda parts, b: [[u] for u in parts])
+    clear_caches()
+    assert run(problem.copy(), order) == bundled_cost
+    pairwise = jaxtool.jacve(encoder, "fwd", argnums)
+    assert_same_jacobian(jax.jit(pairwise)(*args), want, rtol=1e-4, atol=1e-5)
+    pairwise_equations = sum(_equations(jax.make_jaxpr(pairwise)(*args).jaxpr)[p] for p in arithmetic)
+    assert bundled_equations < 0.6 * pairwise_equations, (bundled_equations, pairwise_equations)
+
+
+def test_a_bundle_stays_one_array_along_a_chain():
+    """Three inputs enter a chain of dense layers through one sum; from there on, in forward order,
+    their partials are one bundle at every vertex, multiplied at once and taken from the array the
+    vertex before made: one concatenation for the whole chain (where the bundle first forms), one
+    split per vertex, and the Jacobian of ``jax.jacfwd``."""
+    rng = np.random.default_rng(0)
+    weights = [jnp.asarray(rng.standard_normal((6, 6)) / 3, jnp.float32) for _ in range(9)]
+
+    def chain(x1, x2, x3):
+        h = weights[0] @ x1 + weights[1] @ x2 + weights[2] @ x3
+        for w in weights[3:]:
+            h = w @ jnp.tanh(h)
+        return h
+
+    xs = tuple(jnp.asarray(rng.standard_normal(6), jnp.float32) for _ in range(3))
+    jacobian = jaxtool.jacve(chain, "fwd", (0, 1, 2))
+    counts = _equations(jax.make_jaxpr(jacobian)(*xs).jaxpr)
+    assert counts["concatenate"] <= 2 and counts["split"] >= 12, counts
+    assert_same_jacobian(jax.jit(jacobian)(*xs), jax.jacfwd(chain, (0, 1, 2))(*xs), rtol=1e-5, atol=1e-6)
