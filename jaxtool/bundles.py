@@ -16,7 +16,7 @@ bundled the same way. Each result has the structure and the counted cost of the 
 product or sum, and its value (the same products and sums; a contraction may take its other form,
 written out or ``dot_general``, at the bundle's size, so the last bits can differ): a bundle is
 only how the values are traced. The encoder's forward order then compiles to 98 kernels, and a
-call at a point takes 117 us instead of 154 us. The results remember the stacked array they were split from
+call at a point takes 115-120 us instead of 154-159 us. The results remember the stacked array they were split from
 (while the elimination keeps results, :func:`~jaxtool.partials.shared_applications`), so that the
 next vertex's bundle of the same partials is that array itself, not a concatenation of its pieces:
 a chain of vertices stays one array per bundle until the Jacobian's blocks are taken from it.
