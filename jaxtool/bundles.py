@@ -16,10 +16,11 @@ bundled the same way. Each result has the structure and the counted cost of the 
 product or sum, and its value (the same products and sums; a contraction may take its other form,
 written out or ``dot_general``, at the bundle's size, so the last bits can differ): a bundle is
 only how the values are traced. The encoder's forward order then compiles to 98 kernels, and a
-call at a point takes 115-120 us instead of 154-159 us. The results remember the stacked array they were split from
-(while the elimination keeps results, :func:`~jaxtool.partials.shared_applications`), so that the
-next vertex's bundle of the same partials is that array itself, not a concatenation of its pieces:
-a chain of vertices stays one array per bundle until the Jacobian's blocks are taken from it.
+call at a point takes 115-120 us instead of 154-159 us. The results remember the stacked array
+they were split from (while the elimination keeps results,
+:func:`~jaxtool.partials.shared_applications`), so that the next vertex's bundle of the same
+partials is that array itself, not a concatenation of its pieces: a chain of vertices stays one
+array per bundle until the Jacobian's blocks are taken from it.
 
 Only Sparse partials with values are bundled (not unit partials, which store nothing, nor
 permuted diagonals, whose products with lazily applied maps keep them lazy, nor partials with
