@@ -24,7 +24,8 @@ array per bundle until the Jacobian's blocks are taken from it.
 
 Only Sparse partials with values are bundled (not unit partials, which store nothing, nor
 permuted diagonals, whose products with lazily applied maps keep them lazy, nor partials with
-exact zeros, whose products select); anything else is multiplied and added pair by pair.
+exact zeros, whose products select, nor those of fewer than :data:`MIN_STORED` values); anything
+else is multiplied and added pair by pair.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def bundle_key(a: Partial):
 
 
 def bundles(parts: dict, b: Partial) -> list:
-    """The keys of ``parts`` (in-edges ``u -> a``) grouped into bundles to multiply by ``b`` together:
-    lists of keys, in order of first appearance, each of one :func:`bundle_key` (a list of one for
-    a partial that is not bundled, for every one where ``b`` is not a Sparse partial free of exact
-    zeros, and for large ones that would have to be concatenated, see :data:`MAX_STORED`)."""
+    """The vertices ``u`` of ``parts`` (the in-edge partials ``u -> v`` by ``u``) grouped into bundles
+    to multiply by ``b`` together: lists of vertices, in order of first appearance, each of one
+    :func:`bundle_key` (a list of one for a partial that is not bundled, for every one where ``b`` is
+    not a Sparse partial free of exact zeros, and for large ones that would have to be
+    concatenated, see :data:`MAX_STORED`)."""
     if not isinstance(b, Sparse) or b.live is not None or (b.val is None and not b.unit):
         return [[u] for u in parts]
     groups = collections.defaultdict(list)
@@ -73,11 +75,10 @@ def bundles(parts: dict, b: Partial) -> list:
         groups[("single", u) if key is None else key].append(u)
     result = []
     for members in groups.values():
-        if len(members) > 1 and parts[members[0]].stored > MAX_STORED and \
-                _origins([parts[u].val for u in members], len(parts[members[0]].out_shape)) is None:
-            result.extend([u] for u in members)
-        else:
+        if len(members) == 1 or _stackable([parts[u] for u in members]):
             result.append(members)
+        else:
+            result.extend([u] for u in members)
     return result
 
 
@@ -94,10 +95,18 @@ def products(b: Sparse, parts: list) -> Optional[list]:
 def sums(olds: list, news: list) -> Optional[list]:
     """``[add(x, y) for x, y in zip(olds, news)]`` for ``olds`` of one :func:`bundle_key` and
     ``news`` of another, as one sum: ``(partial, cost)`` pairs, or None as for :func:`products`."""
+    if not _stackable(olds):
+        return None
     plan, cost = _sum_plan(olds[0].key, news[0].key)
     total, _ = _sparse_add(_stacked(olds), _stacked(news))
     pieces = _split(total, plan, len(olds))
     return None if pieces is None else [(p, cost) for p in pieces]
+
+
+def _stackable(parts: list) -> bool:
+    """Whether partials of one :func:`bundle_key` are worth stacking: small ones always, large ones
+    where they are pieces of one array already (see :data:`MAX_STORED`)."""
+    return parts[0].stored <= MAX_STORED or _origins([p.val for p in parts], len(parts[0].out_shape)) is not None
 
 
 def _with_axis(x: Sparse, k: int, val=None) -> Sparse:
