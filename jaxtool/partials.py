@@ -581,7 +581,11 @@ def _vmapped(f, xs):
     """``jax.vmap(f)(xs)``: a linear map applied to a stack of tangents or cotangents at once. Where
     JAX cannot batch ``f`` (a primitive whose batching rule does not handle this axis, as
     ``lax.ragged_dot``'s JVP: "vmap over any dim but 0 - NYI"), ``lax.map``: the same values, one
-    application after another (``jax.jacfwd`` and ``jax.jacrev`` fail there)."""
+    application after another (``jax.jacfwd`` and ``jax.jacrev`` fail there). A stack of one is
+    applied unbatched: XLA:CPU (jaxlib 0.10.2) laid a batched inverse FFT's (1, 1) operand out
+    column-major next to a LAPACK solve and failed its FFT thunk's layout check (fuzz seed 113190)."""
+    if xs.shape[0] == 1:
+        return jax.tree_util.tree_map(lambda y: lax.expand_dims(y, (0,)), f(lax.squeeze(xs, (0,))))
     try:
         return jax.vmap(f)(xs)
     except NotImplementedError:

@@ -2196,3 +2196,22 @@ def test_a_bundle_stays_one_array_along_a_chain():
     counts = _primitive_counts(jax.make_jaxpr(jacobian)(*xs).jaxpr)
     assert counts["concatenate"] <= 2 and counts["split"] >= 12, counts
     assert_same_jacobian(jax.jit(jacobian)(*xs), jax.jacfwd(chain, (0, 1, 2))(*xs), rtol=1e-5, atol=1e-6)
+
+
+def test_a_single_row_is_applied_without_a_batch_axis():
+    """A lazily applied map (here the pullback of an FFT) applied to a stack of one row is applied
+    to that row, not vmapped over a batch of one. XLA:CPU (jaxlib 0.10.2) gave the batched inverse
+    FFT of a (1, 1) array next to a LAPACK solve a column-major operand layout and failed a
+    RET_CHECK in its FFT thunk (``IsMonotonicWithDim0Major``); fuzz seed 113190, reduced."""
+    def program(v0):
+        v1 = jax.nn.logsumexp(v0, axis=(0, 1), keepdims=True)
+        v2 = jnp.linalg.solve(jnp.eye(1) + jnp.tanh(v1), v1)
+        v8 = jnp.exp2(jnp.tanh(v2))[-1]
+        v10 = jnp.fft.irfft(jnp.fft.rfft(v8) * (0.5 - 1.0j), n=1)
+        v13 = jnp.fft.irfft(jnp.fft.rfft(v10) * (0.5 - 1.0j), n=1)
+        return [jnp.mean(v2, axis=0)[None], v13]
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4)), jnp.float32)
+    want = jax.jacrev(program)(x)
+    for order in ("rev", "fwd", "markowitz"):
+        assert_same_jacobian(jax.jit(jaxtool.jacve(program, order))(x), want, rtol=1e-4, atol=1e-5)
