@@ -2146,23 +2146,23 @@ def _primitive_counts(jaxpr) -> collections.Counter:
 def test_products_of_one_structure_are_bundled(monkeypatch):
     """In forward order each of the encoder's vertices carries a partial from each of its 16 inputs,
     many of one structure: each such bundle is multiplied, and added to the edges already there, at
-    once (:mod:`jaxtool.bundles`). The same Jacobian and the same counted cost as pair by pair, in
-    about half the arithmetic equations (each bundle's product is split back into its pieces, an
-    equation each); the values eliminated and the plan cost the same."""
+    once (:mod:`jaxtool.bundles`). The same Jacobian as pair by pair, in about half the arithmetic
+    equations (each bundle's product is split back into its pieces, an equation each); the values
+    eliminated cost what the plan (which is never bundled) costs."""
     from jaxtool import bundles
     from jaxtool.jacobian import clear_caches
 
     encoder, args = load_sample("encoder")
     argnums = tuple(range(16))
-    want = jax.jacrev(encoder, argnums)(*args)
+    want = jax.jit(jax.jacrev(encoder, argnums))(*args)
     problem = trace_problem(encoder, *args, argnums=argnums)
     order = resolve_order("fwd", problem)
-    made = []
+    made, costs = [], []
     original = bundles.products
     monkeypatch.setattr(bundles, "products", lambda b, parts: made.append(len(parts)) or original(b, parts))
-    bundled_cost = run(problem.copy(), order)
+    jax.make_jaxpr(lambda: costs.append(run(problem.copy(), order)))()  # (traced: run eagerly it takes 9 s)
     assert len(made) > 50 and max(made) == 8, made
-    assert bundled_cost == run(problem.plan(), order)
+    assert costs == [run(problem.plan(), order)]
     bundled = jaxtool.jacve(encoder, "fwd", argnums)
     assert_same_jacobian(jax.jit(bundled)(*args), want, rtol=1e-4, atol=1e-5)
     arithmetic = ("mul", "add", "dot_general")
@@ -2170,7 +2170,6 @@ def test_products_of_one_structure_are_bundled(monkeypatch):
 
     monkeypatch.setattr(bundles, "bundles", lambda parts, b: [[u] for u in parts])
     clear_caches()
-    assert run(problem.copy(), order) == bundled_cost
     pairwise = jaxtool.jacve(encoder, "fwd", argnums)
     assert_same_jacobian(jax.jit(pairwise)(*args), want, rtol=1e-4, atol=1e-5)
     pairwise_equations = sum(_primitive_counts(jax.make_jaxpr(pairwise)(*args).jaxpr)[p] for p in arithmetic)
