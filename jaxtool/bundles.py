@@ -37,8 +37,8 @@ import numpy as np
 
 from jax import lax
 
-from jaxtool.partials import (_APPLICATIONS, Partial, Sparse, _product_plan, _sparse_add, _sparse_sparse, _sum_plan,
-                              _take, reshaped)
+from jaxtool.partials import (_APPLICATIONS, Partial, Sparse, _kept, _product_plan, _sparse_add, _sparse_sparse,
+                              _sum_plan, _take, reshaped)
 
 
 #: partials that store fewer values than this are multiplied pair by pair: stacking and splitting
@@ -132,10 +132,8 @@ def _split(x: Sparse, like: Sparse, k: int) -> Optional[list]:
     axis = len(x.out_shape)
     pieces = lax.split(x.val, (1,) * k, axis)
     vals = [reshaped(v, tuple(like.val_shape)) for v in pieces]
-    results = _APPLICATIONS.results
-    if results is not None:
-        for i, v in enumerate(vals):
-            results[("bundled", id(v))] = ((x.val, i, axis), (v,))
+    for i, v in enumerate(vals):
+        _kept(("bundled", id(v)), lambda i=i: (x.val, i, axis), v)
     return [Sparse(like.out_shape, like.in_shape, like.pairs, like.val_shape, like.dtype, v) for v in vals]
 
 
