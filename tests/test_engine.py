@@ -95,9 +95,10 @@ def assert_orders_match(fun, args, argnums, want, orders, rtol, atol, staged=Fal
 
 
 def is_array_program(args) -> bool:
-    """Whether an argument leaf has more than 16 elements: such programs are checked ``staged``
-    (see :func:`assert_orders_match`)."""
-    return max(np.size(leaf) for leaf in jax.tree_util.tree_leaves(args)) > 16
+    """Whether the arguments have more than 64 elements in all: such programs are checked ``staged``
+    (see :func:`assert_orders_match`; the encoder's 16 arguments of 154 elements: 22 s staged, 49 s
+    eager, for its eight orders; scan_rnn's 47 elements: 2.0 s staged, 0.3 s eager)."""
+    return sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(args)) > 64
 
 
 @pytest.mark.parametrize("stem", SAMPLE_NAMES)
