@@ -75,16 +75,19 @@ class EdgeGraph:
                 g.add_edge(u, v, p.plan())
         return g
 
-    def elimination_cost(self, v: int) -> Cost:
-        """What eliminating ``v`` now would cost (products and the sums they cause)."""
+    def elimination_cost(self, v: int, memo: dict | None = None) -> Cost:
+        """What eliminating ``v`` now would cost (products and the sums they cause).
+
+        ``memo``, a dict kept across calls on one plan graph, remembers each product and sum by its
+        operands, which are immutable (the ones an elimination leaves in place are costed once)."""
         total = Cost()
         for u, a in self.preds.get(v, {}).items():
             for w, b in self.succs.get(v, {}).items():
-                c, cost = matmul(b.plan(), a.plan())
+                c, cost = _remembered(memo, matmul, b.plan(), a.plan())
                 total += cost
                 old = self.preds.get(w, {}).get(u)
                 if old is not None:
-                    total += add(old.plan(), c)[1]
+                    total += _remembered(memo, add, old.plan(), c)[1]
         return total
 
     def eliminate(self, v: int) -> Cost:
@@ -135,6 +138,17 @@ class EdgeGraph:
 
     def neighbours(self, v: int) -> set:
         return set(self.preds.get(v, {})) | set(self.succs.get(v, {}))
+
+
+def _remembered(memo: dict | None, combine, x, y):
+    """``combine(x, y)``, looked up in ``memo`` by the operands' identities (the entry keeps them alive,
+    so their ids are not reused while it is there)."""
+    if memo is None:
+        return combine(x, y)
+    key = (combine, id(x), id(y))
+    if key not in memo:
+        memo[key] = (x, y, combine(x, y))
+    return memo[key][2]
 
 
 @dataclass

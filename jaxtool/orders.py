@@ -43,7 +43,8 @@ def reverse(problem) -> list:
 def markowitz(problem) -> list:
     graph = problem.graph.plan()
     remaining = set(problem.eliminable)
-    costs = {v: graph.elimination_cost(v).mults for v in remaining}
+    memo: dict = {}
+    costs = {v: graph.elimination_cost(v, memo).mults for v in remaining}
     order = []
     while remaining:
         v = min(remaining, key=lambda u: (costs[u], u))
@@ -52,7 +53,7 @@ def markowitz(problem) -> list:
         remaining.discard(v)
         order.append(v)
         for u in touched & remaining:
-            costs[u] = graph.elimination_cost(u).mults
+            costs[u] = graph.elimination_cost(u, memo).mults
     return order
 
 

@@ -1746,6 +1746,23 @@ def test_markowitz_picks_the_cheapest_vertex_first():
     assert run(problem.plan(), resolve_order("fwd", problem)).mults == 100
 
 
+def test_markowitz_is_the_greedy_order_costed_from_scratch_at_each_step():
+    # markowitz re-costs only the neighbours of each eliminated vertex and remembers each product and
+    # sum by its operands; the greedy rule recomputed from scratch at every step gives the same order
+    # (a wide stencil's sums of shifted selections, and the perceptron's dense blocks)
+    perceptron, args = load_sample("perceptron")
+    for fun, xs, argnums in [(lambda u: _wide_stencil_steps(u, 2), (jnp.linspace(0.0, 1.0, 20),), 0),
+                             (perceptron, args, float_argnums(args))]:
+        problem = trace_problem(fun, *xs, argnums=argnums)
+        graph, remaining, greedy = problem.plan().graph, set(problem.eliminable), []
+        while remaining:
+            v = min(remaining, key=lambda u: (graph.elimination_cost(u).mults, u))
+            graph.eliminate(v)
+            remaining.discard(v)
+            greedy.append(v)
+        assert resolve_order("markowitz", problem) == greedy
+
+
 def test_markowitz_can_be_far_worse_than_the_best_order_as_the_readme_says():
     # the README's example of greed gone wrong (its figures were stale once: keep the claim true)
     problem = trace_problem(lambda x: jax.nn.softmax(x @ x.T / 4, axis=-1) @ x, jnp.ones((32, 16)))
