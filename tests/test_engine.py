@@ -1629,7 +1629,7 @@ def test_sums_of_more_selections_than_a_sum_keeps(n, kept):
             assert isinstance(partial, Linear) and len(partial.parts) == 81, order
         else:
             assert isinstance(partial, Sparse) and partial.val_shape == (n, n), order
-        if order == "fwd" or (order == "rev" and not kept):  # values: 6-8 s an order, markowitz's order 5 s more
+        if order == "fwd" or (order == "rev" and not kept):  # the values: 6-8 s an order
             assert_same_jacobian(jax.jit(jaxtool.jacve(fun, order=order))(x), want, rtol=1e-5, atol=1e-6)
 
 
