@@ -403,7 +403,7 @@ def _index_from_bits(moved):
     (:func:`_element_bits`, planes on the first axis) stand for: int32, of the shape of one plane."""
     weights = reshaped(lax.shift_left(np.int32(1), lax.iota(np.int32, moved.shape[0])),
                        (moved.shape[0],) + (1,) * (moved.ndim - 1))
-    number = jnp.sum(lax.mul(cast(lax.ne(moved, lax.full_like(moved, 0)), np.int32), weights), axis=0)
+    number = lax.reduce_sum(lax.mul(cast(lax.ne(moved, lax.full_like(moved, 0)), np.int32), weights), (0,))
     return number - np.int32(1)
 
 

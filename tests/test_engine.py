@@ -571,6 +571,20 @@ def test_complex_x64():
         np.testing.assert_allclose(got, jax.jacrev(f)(x), rtol=1e-10, atol=1e-10)
 
 
+def test_selections_computed_at_run_time_in_x64():
+    """A sort's selection is computed at run time (its indices from element-number bits): with
+    ``jax_enable_x64`` those indices stayed int32, not the default int64 a ``jnp.sum`` gives, which
+    crashed its product with a dense partial (a softmax's) before it: found by fuzzing in float64."""
+    f = lambda x: lax.cummin(jnp.sort(jax.nn.softmax(x)), axis=0, reverse=True)  # noqa: E731
+    with jax.enable_x64(True):
+        x = np.array([0.3, -1.2, 0.5, 2.0])
+        want = jax.jacrev(f)(x)
+        for order in ("fwd", "rev", "markowitz"):
+            got = jaxtool.jacve(f, order=order)(x)
+            assert got.dtype == jnp.float64
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_composes_with_jit_vmap_and_second_derivatives():
     f = lambda x: jnp.sin(x) * jnp.exp(x).sum() + x ** 2  # noqa: E731
     x = jnp.linspace(0.1, 1.0, 5)
