@@ -21,10 +21,16 @@ a seed that differs only without XLA's optimisation passes, where compiled with 
 ``jax.jacrev`` and every order agree: XLA:CPU (JAX 0.10.2) without them computes some fused scalar
 programs wrongly (seed 101906).
 
+With ``--x64`` every program runs in float64 (``jax_enable_x64``, float64 inputs) and is compared at
+``rtol = atol =`` 1e-10 (for engine code that assumes 32-bit types); there a seed whose program computes
+some values in float32 (a cast of a comparison, a scatter into such an array) and agrees to float32's
+tolerance is rounding-dependent.
+
     python scripts/fuzz.py                   # seeds 0..9999 on every CPU
     python scripts/fuzz.py -n 500 --start 20000 --jobs 2
     python scripts/fuzz.py --seeds 9,417      # re-check some seeds
     python scripts/fuzz.py --show 417         # print a seed's program as a runnable reproducer
+    python scripts/fuzz.py -n 500 --x64       # the same programs in float64, compared at 1e-10
 """
 
 from __future__ import annotations
@@ -43,8 +49,8 @@ import program_generator as pg  # noqa: E402
 
 def check(task):
     """Worker: ``(seed, status, report)``, status "passed", "failed" or "skipped"."""
-    seed, max_ops, n_random = task
-    return (seed,) + pg.check_seed_outcome(seed, n_random, max_ops, reproducer=False)
+    seed, max_ops, n_random, x64 = task
+    return (seed,) + pg.check_seed_outcome(seed, n_random, max_ops, reproducer=False, x64=x64)
 
 
 def parse_args(argv):
@@ -56,16 +62,21 @@ def parse_args(argv):
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: CPUs)")
     parser.add_argument("--max-ops", type=int, default=25, help="most operations per program (default 25)")
     parser.add_argument("--random-orders", type=int, default=2, help="random orders per program (default 2)")
+    parser.add_argument("--x64", action="store_true",
+                        help="evaluate the programs in float64 (jax_enable_x64) and compare at 1e-10")
     parser.add_argument("--show", type=int, metavar="SEED", help="print SEED's reproducer script and exit")
     return parser.parse_args(argv)
 
 
-def show(seed: int, max_ops: int) -> int:
+def show(seed: int, max_ops: int, x64: bool) -> int:
     """Print the reproducer of ``seed``'s first valid attempt (the one the fuzzer checks)."""
-    for attempt in range(pg.MAX_ATTEMPTS):
-        case = pg.generate(seed, attempt, max_ops)
-        if pg.reference(case) is not None:
-            break
+    import jax
+
+    with jax.enable_x64(x64):
+        for attempt in range(pg.MAX_ATTEMPTS):
+            case = pg.generated(seed, attempt, max_ops, x64)
+            if pg.reference(case) is not None:
+                break
     print("# " + case.description().replace("\n", "\n# "))
     print(case.reproducer())
     return 0
@@ -74,10 +85,11 @@ def show(seed: int, max_ops: int) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.show is not None:
-        return show(args.show, args.max_ops)
+        return show(args.show, args.max_ops, args.x64)
     seeds = ([int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds
              else list(range(args.start, args.start + args.count)))
-    tasks = [(s, args.max_ops, args.random_orders) for s in seeds]
+    tasks = [(s, args.max_ops, args.random_orders, args.x64) for s in seeds]
+    x64 = " --x64" if args.x64 else ""
     counts = {"passed": 0, "failed": 0, "rounding": 0, "skipped": 0}
     failed, rounding = [], []
     started = time.monotonic()
@@ -92,7 +104,8 @@ def main(argv=None) -> int:
             counts[status] += 1
             if status == "failed":
                 failed.append(seed)
-                print(f"FAILED {report}\n(reproducer: python scripts/fuzz.py --max-ops {args.max_ops} --show {seed})\n",
+                print(f"FAILED {report}\n(reproducer: python scripts/fuzz.py --max-ops {args.max_ops}{x64} "
+                      f"--show {seed})\n",
                       file=sys.stderr, flush=True)
             elif status == "rounding":
                 rounding.append(seed)
@@ -112,7 +125,8 @@ def main(argv=None) -> int:
     print(summary + (f", {counts['skipped']} skipped" if counts["skipped"] else ""))
     if failed:
         print("failed seeds: " + ",".join(map(str, sorted(failed))))
-        print(f"(re-check: python scripts/fuzz.py --max-ops {args.max_ops} --seeds {','.join(map(str, sorted(failed)))})")
+        print(f"(re-check: python scripts/fuzz.py --max-ops {args.max_ops}{x64} "
+              f"--seeds {','.join(map(str, sorted(failed)))})")
     if rounding:
         print("rounding-dependent seeds: " + ",".join(map(str, sorted(rounding))))
     return 1 if failed else 0

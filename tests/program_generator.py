@@ -23,11 +23,17 @@ give the same pytree structure, shapes, dtypes and values (``rtol=1e-4``,
 takes another branch of a discontinuity than the program's own evaluation, only when jitted, or only
 in float32 where the float32 reference itself is rounding noise, is reported as rounding-dependent
 rather than failed (see :func:`check_case`).
+
+With ``x64`` (``scripts/fuzz.py --x64``), :func:`check_seed` evaluates the same programs in float64
+(``jax_enable_x64``, float64 inputs) and compares at ``rtol = atol =`` 1e-10, the tolerance of the
+sample programs' float64 tests: engine code that assumes 32-bit types (an int32 index meeting the
+default int64) or computes a partial in float32 fails there.
 Used by ``tests/test_fuzz.py`` and ``scripts/fuzz.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from dataclasses import dataclass, field, replace
@@ -42,6 +48,9 @@ MAX_RANK = 3
 BOUND_LIMIT = 30.0
 RTOL = 1e-4
 ATOL = 1e-5
+#: the tolerances of a case evaluated in float64 (:attr:`Case.x64`)
+RTOL_X64 = 1e-10
+ATOL_X64 = 1e-10
 
 #: Definitions every program may use; printed at the top of reproducers.
 PRELUDE = '''\
@@ -97,6 +106,7 @@ class Case:
     fun: object = field(repr=False, default=None)
     tags: list = field(default_factory=list)  # the kinds of operation used, e.g. "control:scan"
     types: dict = field(default_factory=dict)  # value name -> (dtype name, shape), as generated
+    x64: bool = False  # evaluated in float64 (float64 inputs, under jax.enable_x64), compared at RTOL_X64
 
     def type_of(self, name: str) -> str:
         dtype, shape = self.types[name]
@@ -115,19 +125,20 @@ class Case:
 
     def reproducer(self) -> str:
         """A self-contained script comparing ``jax.jacrev`` and ``jaxtool.jacve`` on this case."""
-        args = ", ".join(_array_literal(x) for x in self.inputs)
+        args = ", ".join(_array_literal(x, "float64" if self.x64 else "float32") for x in self.inputs)
         options = f"argnums={self.argnums!r}" + (", has_aux=True" if self.has_aux else "")
-        return (PRELUDE + "import jaxtool\n\n" + self.source + f"\n\nargs = ({args},)\n"
+        x64 = 'jax.config.update("jax_enable_x64", True)\n' if self.x64 else ""
+        return (PRELUDE + "import jaxtool\n" + x64 + "\n" + self.source + f"\n\nargs = ({args},)\n"
                 f"ref = jax.jacrev(program, {options})(*args)\n"
                 "for order in ('fwd', 'rev', 'markowitz'):\n"
                 f"    got = jaxtool.jacve(program, order=order, {options})(*args)\n"
                 "    print(order, jax.tree_util.tree_map(lambda a, b: float(abs(a - b).max()), got, ref))\n")
 
 
-def _array_literal(x: np.ndarray) -> str:
-    """Python source for a float32 array (float32 -> Python float -> float32 round-trips exactly)."""
+def _array_literal(x: np.ndarray, dtype: str = "float32") -> str:
+    """Python source for a float32 or float64 array (either -> Python float -> itself round-trips exactly)."""
     values = np.asarray(x).tolist()
-    return f"np.array({values!r}, dtype=np.float32)"
+    return f"np.array({values!r}, dtype=np.{dtype})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1167,11 +1178,10 @@ def orders_for(case: Case, n_random: int = 2) -> list:
 VALUES_DIFFER = "entries differ"
 
 
-def compare(got, ref) -> list:
+def compare(got, ref, rtol: float = RTOL, atol: float = ATOL) -> list:
     """Differences between a Jacobian pytree and the reference: structure, shapes, dtypes, values.
 
-    Values must satisfy ``|got - ref| <= atol + rtol * |ref|`` elementwise with ``rtol`` = :data:`RTOL`
-    and ``atol = ATOL * max(1, max|ref|)`` per leaf (the scale of the block: entries far below it
+    Values must satisfy ``|got - ref| <= atol * max(1, max|ref|) + rtol * |ref|`` elementwise, per leaf (the scale of the block: entries far below it
     are rounding noise of sums of larger terms). Returns one message per problem; empty if equal.
     """
     import jax
@@ -1190,7 +1200,7 @@ def compare(got, ref) -> list:
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
         scale = max(1.0, float(np.max(np.abs(r)))) if r.size else 1.0
         err = np.abs(g - r)
-        bad = ~(err <= ATOL * scale + RTOL * np.abs(r))  # NaN counts as bad
+        bad = ~(err <= atol * scale + rtol * np.abs(r))  # NaN counts as bad
         if np.any(bad):
             k = np.unravel_index(int(np.argmax(np.where(bad, np.nan_to_num(err, nan=np.inf), -1))), r.shape)
             problems.append(f"leaf {name}: {int(bad.sum())}/{r.size} {VALUES_DIFFER}; worst at {list(k)}: "
@@ -1223,6 +1233,11 @@ class Result:
             lines.append(f"order {label}:")
             lines += ["  " + p for p in problems]
         return "\n".join(lines)
+
+
+def tolerances(case: Case) -> dict:
+    """:func:`compare`'s tolerances for ``case``: :data:`RTOL_X64` and :data:`ATOL_X64` in float64."""
+    return {"rtol": RTOL_X64, "atol": ATOL_X64} if case.x64 else {"rtol": RTOL, "atol": ATOL}
 
 
 def label(order) -> str:
@@ -1267,7 +1282,7 @@ def check_case(case: Case, n_random: int = 2):
     else:
         if not _finite(ref):
             return None
-        failures = {label(o): p for o, got in zip(orders, gots) if (p := compare(got, ref))}
+        failures = {label(o): p for o, got in zip(orders, gots) if (p := compare(got, ref, **tolerances(case)))}
     values_only = all(VALUES_DIFFER in p for problems in failures.values() for p in problems)
     reason = _not_the_engine(case, n_random, orders, jacobians) if failures and values_only else ""
     if reason:
@@ -1288,6 +1303,11 @@ def _not_the_engine(case: Case, n_random: int, orders, jacobians) -> str:
             return ("XLA without its optimisations alone differs: compiled with them (as JAX compiles by "
                     "default), jax.jacrev and every jacve order agree")
         return "jacve and jax.jacrev agree when both run eagerly"
+    if case.x64:
+        if _computes_in_float32(case) and not _float32_tolerance_failures(case, orders, jacobians):
+            return ("the program computes some values in float32 (a cast, a float32 buffer), and jacve and "
+                    "jax.jacrev agree to float32's tolerance")
+        return ""
     if _float32_reference_is_noise(case) and not _float64_failures(case, n_random):
         return ("jax.jacrev's float32 Jacobian is itself off its float64 value by more than the tolerance, "
                 "and jacve and jax.jacrev agree in float64")
@@ -1312,7 +1332,7 @@ def _reference_branch_differs(case: Case) -> bool:
 
     _, primal = jax.jit(jax.jacrev(with_primal, argnums=case.argnums, has_aux=True))(*case.inputs)
     own = jax.jit(with_primal)(*case.inputs)[0]
-    return bool(compare(primal, own))
+    return bool(compare(primal, own, **tolerances(case)))
 
 
 def _only_the_jitted_reference_differs(case: Case, orders, jacobians) -> bool:
@@ -1325,7 +1345,7 @@ def _only_the_jitted_reference_differs(case: Case, orders, jacobians) -> bool:
     with jax.disable_jit():
         eager = jax.jacrev(case.fun, argnums=case.argnums, has_aux=case.has_aux)(*case.inputs)
     forward = jax.jit(jax.jacfwd(case.fun, argnums=case.argnums, has_aux=case.has_aux))(*case.inputs)
-    return not compare(forward, eager) and not _order_failures(case, orders, jacobians, eager)
+    return not compare(forward, eager, **tolerances(case)) and not _order_failures(case, orders, jacobians, eager)
 
 
 def _optimized_failures(case: Case, orders, jacobians) -> dict:
@@ -1375,6 +1395,34 @@ def _eager_failures(case: Case, n_random: int) -> dict:
             return {"eager jax.jacrev": _crash(e)}
         orders = orders_for(case, n_random)
         return _order_failures(case, orders, _jacobians(case, orders), ref)
+
+
+def _computes_in_float32(case: Case) -> bool:
+    """Whether the program of a float64 case (:attr:`Case.x64`) computes some values in a narrower
+    floating type (``astype(jnp.float32)`` of a comparison, a scatter into such an array): rounded
+    there, they differ between two evaluation orders by float32's rounding, not float64's."""
+    import jax
+
+    from jaxtool.printing import subjaxprs
+
+    def narrow(jaxpr) -> bool:
+        for eqn in jaxpr.eqns:
+            dtypes = [np.dtype(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype")]
+            if any(d.kind in "fc" and d.itemsize < (8 if d.kind == "f" else 16) for d in dtypes):
+                return True
+            if any(narrow(sub) for _, _, sub in subjaxprs(eqn.params)):
+                return True
+        return False
+
+    return narrow(jax.make_jaxpr(case.fun)(*case.inputs).jaxpr)
+
+
+def _float32_tolerance_failures(case: Case, orders, jacobians) -> dict:
+    """The problems of every order of a float64 case at float32's tolerances (:data:`RTOL`, :data:`ATOL`)."""
+    import jax
+
+    ref = jax.jit(jax.jacrev(case.fun, argnums=case.argnums, has_aux=case.has_aux))(*case.inputs)
+    return _order_failures(case, orders, jacobians, ref, {"rtol": RTOL, "atol": ATOL})
 
 
 def _in_float64(case: Case) -> Case:
@@ -1427,12 +1475,13 @@ def _jacobians(case: Case, orders) -> list:
     return [jaxtool.jacve(case.fun, order=o, argnums=case.argnums, has_aux=case.has_aux) for o in orders]
 
 
-def _order_failures(case: Case, orders, jacobians, ref) -> dict:
-    """``label -> problems`` of each order whose Jacobian differs from ``ref`` or crashes."""
+def _order_failures(case: Case, orders, jacobians, ref, tolerance=None) -> dict:
+    """``label -> problems`` of each order whose Jacobian differs from ``ref`` or crashes, beyond
+    ``tolerance`` (:func:`compare`'s keywords; by default :func:`tolerances`)."""
     failures = {}
     for order, jacobian in zip(orders, jacobians):
         try:
-            problems = compare(jacobian(*case.inputs), ref)
+            problems = compare(jacobian(*case.inputs), ref, **(tolerance or tolerances(case)))
         except Exception as e:  # noqa: BLE001 - an engine crash is a finding
             problems = _crash(e)
         if problems:
@@ -1440,17 +1489,29 @@ def _order_failures(case: Case, orders, jacobians, ref) -> dict:
     return failures
 
 
-def check_seed(seed: int, n_random: int = 2, max_ops: int = 25) -> Result:
-    """Check the first valid attempt of ``seed`` (see :func:`check_case`); :class:`Skip` if none is."""
-    for attempt in range(MAX_ATTEMPTS):
-        result = check_case(generate(seed, attempt, max_ops), n_random)
-        if result is not None:
-            return result
+def generated(seed: int, attempt: int = 0, max_ops: int = 25, x64: bool = False) -> Case:
+    """:func:`generate`'s case, with ``x64`` in float64 (:attr:`Case.x64`: to be run under
+    ``jax.enable_x64``)."""
+    case = generate(seed, attempt, max_ops)
+    return replace(_in_float64(case), x64=True) if x64 else case
+
+
+def check_seed(seed: int, n_random: int = 2, max_ops: int = 25, x64: bool = False) -> Result:
+    """Check the first valid attempt of ``seed`` (see :func:`check_case`), with ``x64`` in float64
+    (:func:`generated`); :class:`Skip` if none is valid."""
+    import jax
+
+    with jax.enable_x64(True) if x64 else contextlib.nullcontext():
+        for attempt in range(MAX_ATTEMPTS):
+            result = check_case(generated(seed, attempt, max_ops, x64), n_random)
+            if result is not None:
+                return result
     raise Skip(f"seed {seed}: no valid program in {MAX_ATTEMPTS} attempts")
 
 
-def check_seed_outcome(seed: int, n_random: int = 2, max_ops: int = 25, reproducer: bool = True) -> tuple:
-    """``(status, report)`` of :func:`check_seed` as plain data, for worker processes.
+def check_seed_outcome(seed: int, n_random: int = 2, max_ops: int = 25, reproducer: bool = True,
+                       x64: bool = False) -> tuple:
+    """``(status, report)`` of :func:`check_seed` (with ``x64``: in float64) as plain data, for worker processes.
 
     ``status`` is "passed", "failed" (a crash of the checker itself is a failure too, reported with
     its traceback; with ``reproducer`` the report ends with a reproducer script), "rounding" (the
@@ -1460,7 +1521,7 @@ def check_seed_outcome(seed: int, n_random: int = 2, max_ops: int = 25, reproduc
     import traceback
 
     try:
-        result = check_seed(seed, n_random, max_ops)
+        result = check_seed(seed, n_random, max_ops, x64)
     except Skip as e:
         return "skipped", str(e)
     except Exception:  # noqa: BLE001 - report it with the seed instead of losing the whole run

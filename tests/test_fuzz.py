@@ -148,6 +148,16 @@ def test_jacve_matches_jacrev_with_sines_computed_once(seed, monkeypatch):
     _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS), strict=True)
 
 
+#: more seeds, their programs evaluated in float64 and compared at 1e-10 (``scripts/fuzz.py --x64``):
+#: engine code that assumes 32-bit types fails there (indices a sort selects by were int64 there once)
+X64_SEEDS = range(ONCE_SEEDS[-1] + 1, ONCE_SEEDS[-1] + 31)
+
+
+@pytest.mark.parametrize("seed", X64_SEEDS)
+def test_jacve_matches_jacrev_in_float64(seed):
+    _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS, x64=True))
+
+
 # ------------------------------------------------------------------------------------------------
 # the checker itself must be able to fail
 
@@ -188,6 +198,8 @@ def test_compare_tolerates_rounding_but_not_more(reference):
 
     assert pg.compare(scaled(1 + 1e-6), reference) == []
     assert len(pg.compare(scaled(1 + 1e-3), reference)) == len(jax.tree_util.tree_leaves(reference))
+    assert len(pg.compare(scaled(1 + 1e-6), reference, rtol=pg.RTOL_X64, atol=pg.ATOL_X64)) == \
+        len(jax.tree_util.tree_leaves(reference))
 
 
 def test_compare_detects_nan_structure_shape_and_dtype(reference):
