@@ -51,6 +51,14 @@ def _differentiated_leaves(args, positions) -> list:
     return [n for p in positions for n in range(first[p % len(args)], first[p % len(args) + 1])]
 
 
+def _engine_promotion():
+    """JAX's standard dtype promotion, under which jaxtool's own arithmetic on partials is written
+    (a boolean mask compared with an int, say): where a user sets ``jax_numpy_dtype_promotion`` to
+    ``"strict"``, that applies to their function, traced before (:func:`_trace`), and not to the
+    engine (which crashed on a ``select_n`` otherwise)."""
+    return jax.numpy_dtype_promotion("standard")
+
+
 def _trace(fun, args, kwargs, positions, has_aux, static_kinds):
     """Trace ``fun`` at ``args`` and ``kwargs``, differentiated with respect to ``args[positions]``.
 
@@ -169,8 +177,10 @@ class _StagedJacobian:
         """:meth:`parts` of the function as :meth:`trace` traced it."""
         program, values, wrt, dyn_tree, out_tree, aux_tree, static = traced
         self.program = program  # (for the error of a custom rule that leaks a tracer, see __call__)
-        problem = build(program, values, wrt)
-        run(problem, resolve_order(self.order, problem))
+        with _engine_promotion():
+            problem = build(program, values, wrt)
+            run(problem, resolve_order(self.order, problem))
+            jacobian = blocks(problem)
         n_out = out_tree.num_leaves
         # jax.jacrev's layout: outer structure of the output, inner structure of the inputs (blocks
         # come in input order, jax.jacrev's in argnums order)
@@ -178,7 +188,7 @@ class _StagedJacobian:
         weak = [jax.typeof(values[k]).weak_type for k in wrt]  # (as jax.jacrev: a weakly typed block)
         inner = [jax.tree_util.tree_unflatten(dyn_tree, [weakly_typed(row[c]) if w else row[c]
                                                          for c, w in zip(columns, weak)])
-                 for row in blocks(problem)[:n_out]]
+                 for row in jacobian[:n_out]]
         if isinstance(self.argnums, int):
             inner = [i[0] for i in inner]
         return jax.tree_util.tree_unflatten(out_tree, inner), list(problem.out_values[n_out:]), aux_tree, static
@@ -308,4 +318,5 @@ def trace_problem(fun, *args, argnums=0, has_aux=False, **kwargs) -> Problem:
     ``jaxtool.elimination.run(problem.plan(), order)`` costs an order without computing values.
     """
     program, values, wrt, *_ = _trace(fun, args, kwargs, _positions(argnums), has_aux, INTEGERS)
-    return build(program, values, wrt)
+    with _engine_promotion():
+        return build(program, values, wrt)

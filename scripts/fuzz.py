@@ -24,13 +24,17 @@ programs wrongly (seed 101906).
 With ``--x64`` every program runs in float64 (``jax_enable_x64``, float64 inputs) and is compared at
 ``rtol = atol =`` 1e-10 (for engine code that assumes 32-bit types); there a seed whose program computes
 some values in float32 (a cast of a comparison, a scatter into such an array) and agrees to float32's
-tolerance is rounding-dependent.
+tolerance is rounding-dependent. With ``--promotion strict`` every check runs under
+``jax_numpy_dtype_promotion="strict"`` (a program that mixes types implicitly is then invalid, and
+the next attempt of its seed is checked instead), which must apply to the program and not to the
+engine's own arithmetic.
 
     python scripts/fuzz.py                   # seeds 0..9999 on every CPU
     python scripts/fuzz.py -n 500 --start 20000 --jobs 2
     python scripts/fuzz.py --seeds 9,417      # re-check some seeds
     python scripts/fuzz.py --show 417         # print a seed's program as a runnable reproducer
     python scripts/fuzz.py -n 500 --x64       # the same programs in float64, compared at 1e-10
+    python scripts/fuzz.py -n 500 --promotion strict   # under jax_numpy_dtype_promotion="strict"
 """
 
 from __future__ import annotations
@@ -53,6 +57,14 @@ def check(task):
     return (seed,) + pg.check_seed_outcome(seed, n_random, max_ops, reproducer=False, x64=x64)
 
 
+def initialize(promotion: str) -> None:
+    """Worker set-up: compile without XLA's optimisation passes; JAX's dtype promotion ``promotion``."""
+    import jax
+
+    pg.quick_compilation()
+    jax.config.update("jax_numpy_dtype_promotion", promotion)
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,11 +76,14 @@ def parse_args(argv):
     parser.add_argument("--random-orders", type=int, default=2, help="random orders per program (default 2)")
     parser.add_argument("--x64", action="store_true",
                         help="evaluate the programs in float64 (jax_enable_x64) and compare at 1e-10")
+    parser.add_argument("--promotion", choices=("standard", "strict"), default="standard",
+                        help="jax_numpy_dtype_promotion while checking (default standard): with strict, "
+                             "programs that mix types implicitly are invalid and regenerated")
     parser.add_argument("--show", type=int, metavar="SEED", help="print SEED's reproducer script and exit")
     return parser.parse_args(argv)
 
 
-def show(seed: int, max_ops: int, x64: bool) -> int:
+def show(seed: int, max_ops: int, x64: bool, promotion: str) -> int:
     """Print the reproducer of ``seed``'s first valid attempt (the one the fuzzer checks)."""
     import jax
 
@@ -78,25 +93,31 @@ def show(seed: int, max_ops: int, x64: bool) -> int:
             if pg.reference(case) is not None:
                 break
     print("# " + case.description().replace("\n", "\n# "))
-    print(case.reproducer())
+    reproducer = case.reproducer()
+    if promotion != "standard":
+        reproducer = reproducer.replace("import jaxtool\n", "import jaxtool\n"
+                                        f'jax.config.update("jax_numpy_dtype_promotion", "{promotion}")\n', 1)
+    print(reproducer)
     return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.show is not None:
-        return show(args.show, args.max_ops, args.x64)
+        initialize(args.promotion)  # (which attempt is valid may depend on it)
+        return show(args.show, args.max_ops, args.x64, args.promotion)
     seeds = ([int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds
              else list(range(args.start, args.start + args.count)))
     tasks = [(s, args.max_ops, args.random_orders, args.x64) for s in seeds]
-    x64 = " --x64" if args.x64 else ""
+    flags = (" --x64" if args.x64 else "") + (" --promotion strict" if args.promotion == "strict" else "")
     counts = {"passed": 0, "failed": 0, "rounding": 0, "skipped": 0}
     failed, rounding = [], []
     started = time.monotonic()
     jobs = max(1, min(args.jobs, len(tasks)))
-    pg.quick_compilation()
+    initialize(args.promotion)
     # fresh workers now and then: every compilation leaves something in JAX's caches
-    pool = (multiprocessing.get_context("spawn").Pool(jobs, initializer=pg.quick_compilation, maxtasksperchild=100)
+    pool = (multiprocessing.get_context("spawn").Pool(jobs, initializer=initialize, initargs=(args.promotion,),
+                                                      maxtasksperchild=100)
             if jobs > 1 else None)
     results = pool.imap_unordered(check, tasks) if pool else map(check, tasks)
     try:
@@ -104,7 +125,7 @@ def main(argv=None) -> int:
             counts[status] += 1
             if status == "failed":
                 failed.append(seed)
-                print(f"FAILED {report}\n(reproducer: python scripts/fuzz.py --max-ops {args.max_ops}{x64} "
+                print(f"FAILED {report}\n(reproducer: python scripts/fuzz.py --max-ops {args.max_ops}{flags} "
                       f"--show {seed})\n",
                       file=sys.stderr, flush=True)
             elif status == "rounding":
@@ -125,7 +146,7 @@ def main(argv=None) -> int:
     print(summary + (f", {counts['skipped']} skipped" if counts["skipped"] else ""))
     if failed:
         print("failed seeds: " + ",".join(map(str, sorted(failed))))
-        print(f"(re-check: python scripts/fuzz.py --max-ops {args.max_ops}{x64} "
+        print(f"(re-check: python scripts/fuzz.py --max-ops {args.max_ops}{flags} "
               f"--seeds {','.join(map(str, sorted(failed)))})")
     if rounding:
         print("rounding-dependent seeds: " + ",".join(map(str, sorted(rounding))))

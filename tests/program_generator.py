@@ -1181,8 +1181,10 @@ VALUES_DIFFER = "entries differ"
 def compare(got, ref, rtol: float = RTOL, atol: float = ATOL) -> list:
     """Differences between a Jacobian pytree and the reference: structure, shapes, dtypes, values.
 
-    Values must satisfy ``|got - ref| <= atol * max(1, max|ref|) + rtol * |ref|`` elementwise, per leaf (the scale of the block: entries far below it
-    are rounding noise of sums of larger terms). Returns one message per problem; empty if equal.
+    Values must satisfy ``|got - ref| <= atol * max(1, max|ref|) + rtol * |ref|`` elementwise (by
+    default ``rtol`` = :data:`RTOL`, ``atol`` = :data:`ATOL`), ``max|ref|`` per leaf (the scale of the
+    block: entries far below it are rounding noise of sums of larger terms). Returns one message per
+    problem; empty if equal.
     """
     import jax
 

@@ -585,6 +585,24 @@ def test_selections_computed_at_run_time_in_x64():
             np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
 
 
+def test_strict_dtype_promotion_applies_to_the_function_not_the_engine():
+    """Under ``jax.numpy_dtype_promotion("strict")`` the engine's own arithmetic (a ``select_n``'s
+    boolean mask compared with an int) crashed in one program in five of the fuzzer's: it runs
+    under standard promotion. The user's function keeps the setting: an implicit int-float mix in
+    it fails as it does under ``jax.jacrev``."""
+    f = lambda x: jnp.where(x > 0.2, jnp.sin(x) * x, 0.5 * x) @ jnp.tanh(jnp.sort(x))  # noqa: E731
+    mixed = lambda x: x * jnp.arange(3)  # noqa: E731
+    x = jnp.array([0.3, -1.2, 0.5])
+    with jax.numpy_dtype_promotion("strict"):
+        want = jax.jacrev(f)(x)
+        for order in ("fwd", "rev", "markowitz"):
+            np.testing.assert_allclose(jaxtool.jacve(f, order=order)(x), want, rtol=1e-5, atol=1e-6)
+        with pytest.raises(jax.dtypes.TypePromotionError):
+            jax.jacrev(mixed)(x)
+        with pytest.raises(jax.dtypes.TypePromotionError):
+            jaxtool.jacve(mixed)(x)
+
+
 def test_composes_with_jit_vmap_and_second_derivatives():
     f = lambda x: jnp.sin(x) * jnp.exp(x).sum() + x ** 2  # noqa: E731
     x = jnp.linspace(0.1, 1.0, 5)

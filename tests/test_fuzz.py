@@ -158,6 +158,19 @@ def test_jacve_matches_jacrev_in_float64(seed):
     _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS, x64=True))
 
 
+#: more seeds, checked under ``jax.numpy_dtype_promotion("strict")`` (``scripts/fuzz.py --promotion
+#: strict``), which applies to the program and not to the engine's own arithmetic
+STRICT_SEEDS = range(X64_SEEDS[-1] + 1, X64_SEEDS[-1] + 31)
+
+
+@pytest.mark.parametrize("seed", STRICT_SEEDS)
+def test_jacve_matches_jacrev_under_strict_dtype_promotion(seed):
+    import jax
+
+    with jax.numpy_dtype_promotion("strict"):
+        _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS))
+
+
 # ------------------------------------------------------------------------------------------------
 # the checker itself must be able to fail
 
@@ -225,7 +238,7 @@ def small_case():
     return pg.generate(5, max_ops=4)
 
 
-def _differing_values(got, ref):
+def _differing_values(got, ref, **tolerance):
     return ["leaf (root): 1/4 " + pg.VALUES_DIFFER + "; worst at [0]: 1 vs reference 0 (block scale 1)"]
 
 
@@ -245,6 +258,38 @@ def test_differences_of_values_cleared_by_a_second_opinion_are_rounding(monkeypa
     monkeypatch.setattr(pg, "_float32_reference_is_noise", lambda case: True)
     monkeypatch.setattr(pg, "_float64_failures", lambda case, n: {})
     assert "agree in float64" in pg.check_case(small_case, 1).reason
+
+
+def test_a_float64_case_that_computes_in_float32_is_cleared_only_at_float32_tolerance(monkeypatch):
+    import jax
+
+    monkeypatch.setattr(pg, "compare", _differing_values)
+    monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: False)
+    monkeypatch.setattr(pg, "_eager_failures", lambda case, n: {"fwd": ["still differs"]})
+    with jax.enable_x64(True):
+        case = pg.generated(5, 0, 4, x64=True)
+        monkeypatch.setattr(pg, "_computes_in_float32", lambda case: True)
+        monkeypatch.setattr(pg, "_float32_tolerance_failures", lambda case, orders, jacobians: {})
+        assert "computes some values in float32" in pg.check_case(case, 1).reason
+        monkeypatch.setattr(pg, "_float32_tolerance_failures", lambda case, orders, jacobians: {"fwd": ["differs"]})
+        assert not pg.check_case(case, 1).ok
+        monkeypatch.setattr(pg, "_computes_in_float32", lambda case: False)
+        monkeypatch.setattr(pg, "_float32_tolerance_failures", lambda case, orders, jacobians: {})
+        assert not pg.check_case(case, 1).ok
+
+
+def test_float32_values_are_found_in_nested_jaxprs_of_a_float64_case():
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    with jax.enable_x64(True):
+        wide = dataclasses.replace(pg.generated(5, 0, 4, x64=True), fun=lambda v: jnp.sin(v) * 2, argnums=0,
+                                   has_aux=False, inputs=(np.linspace(0.1, 0.9, 4),))
+        narrow = dataclasses.replace(wide, fun=lambda v: jax.jit(lambda u: (u > 0.5).astype(jnp.float32) * u)(v))
+        assert not pg._computes_in_float32(wide)
+        assert pg._computes_in_float32(narrow)
 
 
 def test_a_jitted_reference_that_alone_differs_is_named(small_case):
@@ -280,7 +325,8 @@ def test_differences_no_second_opinion_clears_are_failures(monkeypatch, small_ca
     # a crash or a wrong shape is never a rounding artefact, whatever the second opinions say
     monkeypatch.setattr(pg, "_eager_failures", lambda case, n: {})
     monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: True)
-    monkeypatch.setattr(pg, "compare", lambda got, ref: ["leaf (root): float32[2] != reference float32[3]"])
+    monkeypatch.setattr(pg, "compare",
+                        lambda got, ref, **tolerance: ["leaf (root): float32[2] != reference float32[3]"])
     assert not pg.check_case(small_case, 1).ok
 
 
