@@ -24,7 +24,8 @@ from jax import lax
 
 from jaxtool import bundles
 from jaxtool.errors import UsageError
-from jaxtool.graph import Const, FlatProgram, Input, evaluate, flatten, read
+from jaxtool.graph import Const, FlatProgram, Input, evaluate, explicitly_sharded, flatten, read, replicated, \
+    replicated_value
 from jaxtool.partials import Cost, Partial, Sparse, add, cast, matmul, reshaped, shared_applications
 from jaxtool.rules import carries_tangent, cuts_derivative, is_differentiable, partials_of, tangent_dtype, \
     tangent_shape
@@ -183,6 +184,8 @@ def build(program: FlatProgram, args, wrt) -> Problem:
         aval = program.in_avals[i]
         if not is_differentiable(aval):
             raise UsageError(f"input {i} has dtype {aval.dtype}: only real floating-point inputs can be differentiated")
+    if any(map(explicitly_sharded, program.in_avals + tuple(program.avals.values()))):
+        program, args = replicated(program), [replicated_value(x) for x in args]
     values = evaluate(program, args)
     n = program.num_vertices
     active = {input_node(i) for i in wrt}

@@ -15,8 +15,8 @@ equation inside it), so printers can show vertex numbers on the original, nested
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -60,6 +60,9 @@ class FlatEqn:
     source_info: Any
     path: tuple  # tuple[int, ...]
     callers: tuple = ()  # the source_info of each inlined call around it, innermost first
+    #: the shardings :func:`bind` gives the operands (a PartitionSpec or None each), after which it
+    #: replicates the results, or None (see :func:`replicated`)
+    placed: Optional[tuple] = None
 
     @property
     def name(self) -> str:
@@ -107,6 +110,49 @@ class FlatProgram:
         if isinstance(atom, Const):
             return jax.typeof(atom.value)
         return self.avals[atom]
+
+
+#: primitives that only place a value on devices (``jax.sharding.reshard``, ``mesh_cast``,
+#: ``with_sharding_constraint``): copies for the engine, which computes on replicated values
+PLACEMENTS = frozenset({"reshard", "mesh_cast", "sharding_constraint"})
+#: equation parameters that ask for a sharded result (``dot_general(out_sharding=...)``, ``iota``'s
+#: and ``broadcast_in_dim``'s ``sharding``): None for the engine
+SHARDING_PARAMS = ("out_sharding", "sharding")
+
+
+def explicitly_sharded(aval) -> bool:
+    """Whether ``aval``'s type says how it is split over a mesh axis (``jax.sharding.AxisType.Explicit``)."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    return spec is not None and any(axis is not None for axis in spec)
+
+
+def replicated(program: FlatProgram) -> FlatProgram:
+    """``program`` as it computes on replicated values: :data:`PLACEMENTS` are copies and no
+    equation asks for a sharded result. The elimination multiplies partials of values split over
+    different axes (an ``n x n`` partial of two vectors split over one mesh axis would be split twice
+    over it, which explicit sharding rejects); it computes them whole, as ``jax.jacrev`` of the
+    same program under an ``Auto`` mesh lets XLA decide.
+
+    Equations whose nested jaxprs are typed with shardings (``scan``, ``cond``) keep them: :func:`bind`
+    gives their operands the shardings they were traced with, and replicates their results (and so
+    JAX's AD of them)."""
+    eqns = []
+    for eqn in program.eqns:
+        if eqn.name in PLACEMENTS:
+            eqn = replace(eqn, primitive=P.copy_p, params={})
+        elif any(eqn.params.get(k) is not None for k in SHARDING_PARAMS):
+            eqn = replace(eqn, params={k: None if k in SHARDING_PARAMS else v for k, v in eqn.params.items()})
+        elif any(explicitly_sharded(program.avals[v]) for v in eqn.outvars):
+            specs = [program.aval(a).sharding.spec if explicitly_sharded(program.aval(a)) else None
+                     for a in eqn.invars]
+            eqn = replace(eqn, placed=tuple(specs))
+        eqns.append(eqn)
+    return replace(program, eqns=eqns)
+
+
+def replicated_value(x):
+    """``x`` replicated (``jax.sharding.reshard`` to ``PartitionSpec()``) where its type is explicitly sharded."""
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec()) if explicitly_sharded(jax.typeof(x)) else x
 
 
 def _body(eqn):
@@ -162,8 +208,13 @@ def _walk(program: FlatProgram, jaxpr, env: dict, path: tuple, callers: tuple) -
 
 
 def bind(eqn: FlatEqn | jcore.JaxprEqn, *args):
-    """Apply ``eqn``'s primitive to ``args`` (as ``jax.core.eval_jaxpr`` does, call primitives included)."""
-    return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+    """Apply ``eqn``'s primitive to ``args`` (as ``jax.core.eval_jaxpr`` does, call primitives included);
+    placed as the equation says (:attr:`FlatEqn.placed`)."""
+    placed = getattr(eqn, "placed", None)
+    if placed is not None:
+        args = [x if spec is None else jax.sharding.reshard(x, spec) for x, spec in zip(args, placed)]
+    out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+    return out if placed is None else jax.tree_util.tree_map(replicated_value, out)
 
 
 def read(atom, args, values):

@@ -603,6 +603,22 @@ def test_strict_dtype_promotion_applies_to_the_function_not_the_engine():
             jaxtool.jacve(mixed)(x)
 
 
+def test_explicitly_sharded_values_are_differentiated_replicated():
+    """Over a mesh of ``AxisType.Explicit`` axes (``jax.make_mesh``'s default), values carry their
+    sharding in their types, and a product of partials of two values split over one axis was
+    rejected (``f32[8@d,8] * f32[8,8@d]``). The engine computes replicated values: placements are
+    copies, ``out_sharding`` is dropped, and a ``scan`` traced with sharded carries gets them as
+    traced. Four CPU devices need a process of their own (``tests/fixtures/fx_explicit_sharding.py``)."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    script = pathlib.Path(__file__).resolve().parent / "fixtures" / "fx_explicit_sharding.py"
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("ok ") == 16, done.stdout
+
+
 def test_composes_with_jit_vmap_and_second_derivatives():
     f = lambda x: jnp.sin(x) * jnp.exp(x).sum() + x ** 2  # noqa: E731
     x = jnp.linspace(0.1, 1.0, 5)
