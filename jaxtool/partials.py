@@ -665,8 +665,14 @@ def _transposable(x: Linear) -> bool:
     return known
 
 
+def promoted(*dtypes) -> np.dtype:
+    """The dtype JAX promotes ``dtypes`` to (float16 with bfloat16: float32, where NumPy has no
+    common type and raised)."""
+    return np.dtype(functools.reduce(jnp.promote_types, dtypes))
+
+
 def _result_dtype(a: Partial, b: Partial):
-    return np.result_type(a.dtype, b.dtype)
+    return promoted(a.dtype, b.dtype)
 
 
 def _compose_index(outer: np.ndarray, inner: np.ndarray) -> np.ndarray:
@@ -703,7 +709,7 @@ def _warmed(token, callee: Linear, dtype) -> bool:
     beforehand (``token`` as in :attr:`Linear.calls`)."""
     if token is None:
         return callee.dtype == dtype
-    return isinstance(token, (jax.Array, np.ndarray)) and np.result_type(dtype, token.dtype) == callee.dtype
+    return isinstance(token, (jax.Array, np.ndarray)) and promoted(dtype, token.dtype) == callee.dtype
 
 
 def _nesting(calls, dtype) -> tuple:
@@ -2001,7 +2007,7 @@ def _distributed(b: Partial, a: Partial) -> Optional[tuple]:
     selections = [_selections(p) if isinstance(p, Linear) else None for p in products]
     if len(products) > 1 and all(selections):
         # merged at once, not one sum at a time (each re-cutting its parts): the same sum and count
-        dtype = np.result_type(*[p.dtype for p in products])
+        dtype = promoted(*[p.dtype for p in products])
         summed = sum_of_selections([s for some in selections for s in some], dtype)
         if summed is None:  # more parts than a sum keeps: every product's entries into one dense block
             if concrete or a.abstract or b.abstract:

@@ -28,8 +28,8 @@ from jax.extend.core import primitives as P
 from jaxtool._compat import split_p, stack_p, unstack_p
 from jaxtool.errors import UnsupportedError
 from jaxtool.graph import NUMPY_RULES, FlatEqn, bind
-from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, cast, reshaped, selection_from_index,
-                              sum_of_selections)
+from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, cast, promoted, reshaped,
+                              selection_from_index, sum_of_selections)
 from jaxtool.printing import subjaxprs
 from jaxtool.point_forms import two_forms_p
 from jaxtool.sharing import materialize_p, once_p
@@ -967,7 +967,7 @@ def complex_partials(eqn, invals, outvals, wrt):
         x_aval = jax.typeof(invals[i])
         for k in outs:
             y_aval = jax.typeof(outvals[k])
-            dtype = np.result_type(tangent_dtype(x_aval), tangent_dtype(y_aval))
+            dtype = promoted(tangent_dtype(x_aval), tangent_dtype(y_aval))
 
             def fn(t, i=i, k=k, x_aval=x_aval, dtype=dtype):
                 if _is_complex(x_aval):
@@ -1024,7 +1024,7 @@ def _complex_elementwise(eqn, invals, outvals, wrt):
         val = jnp.stack(columns, axis=-1) if _is_complex(x_aval) else columns[0]
         out_axes = len(tangent_shape(y_aval))
         val = reshaped(val, val.shape[:out_axes] + (1,) * broadcast + val.shape[out_axes:])
-        dtype = np.result_type(tangent_dtype(x_aval), tangent_dtype(y_aval))
+        dtype = promoted(tangent_dtype(x_aval), tangent_dtype(y_aval))
         pairs += (None,) if _is_complex(y_aval) else ()
         result.append((i, 0, Sparse(tangent_shape(y_aval), tangent_shape(x_aval), pairs, tuple(val.shape), dtype,
                                     val.astype(dtype))))

@@ -998,6 +998,20 @@ def test_run_time_indices_are_exact_in_every_dtype(dtype):
                                  rtol=tolerance, atol=tolerance)
 
 
+def test_float16_and_bfloat16_partials_multiply_in_float32_as_jax_promotes_them():
+    """A float16 partial times a bfloat16 one: NumPy has no common type of the two (its
+    ``result_type`` raised), JAX promotes them to float32. Found fuzzing with float16 inputs."""
+    f = lambda x: (jnp.tanh(x) * x).astype(jnp.bfloat16) * 2  # noqa: E731
+    g = lambda x: jnp.exp(jnp.sin(x).astype(jnp.bfloat16)) * jnp.cos(x).astype(jnp.bfloat16)  # noqa: E731
+    x = jnp.asarray([0.3, -1.2, 0.5], jnp.float16)
+    for fun in (f, g):
+        want = jax.jacrev(fun)(x)
+        for order in ("fwd", "rev", "markowitz"):
+            got = jaxtool.jacve(fun, order)(x)
+            assert got.dtype == want.dtype
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
 def test_sums_of_selections_compose_with_vmap_and_second_derivatives():
     f = lambda x: jnp.tanh(jnp.diff(jnp.sin(x)) + x[1:] * x[:-1]) + jnp.roll(x, 2)[1:]  # noqa: E731
     batch = jnp.linspace(0.1, 1.3, 12).reshape(3, 4)
