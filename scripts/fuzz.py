@@ -21,10 +21,11 @@ a seed that differs only without XLA's optimisation passes, where compiled with 
 ``jax.jacrev`` and every order agree: XLA:CPU (JAX 0.10.2) without them computes some fused scalar
 programs wrongly (seed 101906).
 
-With ``--x64`` every program runs in float64 (``jax_enable_x64``, float64 inputs) and is compared at
-``rtol = atol =`` 1e-10 (for engine code that assumes 32-bit types); there a seed whose program computes
-some values in float32 (a cast of a comparison, a scatter into such an array) and agrees to float32's
-tolerance is rounding-dependent. With ``--promotion strict`` every check runs under
+With ``--dtype`` every program runs on inputs of another floating dtype and is compared at its
+tolerance (``program_generator.TOLERANCES``): float64 (under ``jax_enable_x64``) at ``rtol = atol =``
+1e-10, for engine code that assumes 32-bit types (there a seed whose program computes some values
+in float32, a cast of a comparison or a scatter into such an array, and agrees to float32's tolerance
+is rounding-dependent); float16 and bfloat16 at 0.1, for crashes and wrong dtypes. With ``--promotion strict`` every check runs under
 ``jax_numpy_dtype_promotion="strict"`` (a program that mixes types implicitly is then invalid, and
 the next attempt of its seed is checked instead), which must apply to the program and not to the
 engine's own arithmetic.
@@ -33,7 +34,7 @@ engine's own arithmetic.
     python scripts/fuzz.py -n 500 --start 20000 --jobs 2
     python scripts/fuzz.py --seeds 9,417      # re-check some seeds
     python scripts/fuzz.py --show 417         # print a seed's program as a runnable reproducer
-    python scripts/fuzz.py -n 500 --x64       # the same programs in float64, compared at 1e-10
+    python scripts/fuzz.py -n 500 --dtype float64   # the same programs in float64, compared at 1e-10
     python scripts/fuzz.py -n 500 --promotion strict   # under jax_numpy_dtype_promotion="strict"
 """
 
@@ -53,8 +54,8 @@ import program_generator as pg  # noqa: E402
 
 def check(task):
     """Worker: ``(seed, status, report)``, status "passed", "failed" or "skipped"."""
-    seed, max_ops, n_random, x64 = task
-    return (seed,) + pg.check_seed_outcome(seed, n_random, max_ops, reproducer=False, x64=x64)
+    seed, max_ops, n_random, dtype = task
+    return (seed,) + pg.check_seed_outcome(seed, n_random, max_ops, reproducer=False, dtype=dtype)
 
 
 def initialize(promotion: str) -> None:
@@ -74,8 +75,9 @@ def parse_args(argv):
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: CPUs)")
     parser.add_argument("--max-ops", type=int, default=25, help="most operations per program (default 25)")
     parser.add_argument("--random-orders", type=int, default=2, help="random orders per program (default 2)")
-    parser.add_argument("--x64", action="store_true",
-                        help="evaluate the programs in float64 (jax_enable_x64) and compare at 1e-10")
+    parser.add_argument("--dtype", choices=tuple(pg.TOLERANCES), default="float32",
+                        help="the inputs' dtype (default float32; float64 under jax_enable_x64, compared at "
+                             "1e-10; float16 and bfloat16 at 0.1)")
     parser.add_argument("--promotion", choices=("standard", "strict"), default="standard",
                         help="jax_numpy_dtype_promotion while checking (default standard): with strict, "
                              "programs that mix types implicitly are invalid and regenerated")
@@ -83,13 +85,13 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def show(seed: int, max_ops: int, x64: bool, promotion: str) -> int:
+def show(seed: int, max_ops: int, dtype: str, promotion: str) -> int:
     """Print the reproducer of ``seed``'s first valid attempt (the one the fuzzer checks)."""
     import jax
 
-    with jax.enable_x64(x64):
+    with jax.enable_x64(dtype == "float64"):
         for attempt in range(pg.MAX_ATTEMPTS):
-            case = pg.generated(seed, attempt, max_ops, x64)
+            case = pg.generated(seed, attempt, max_ops, dtype)
             if pg.reference(case) is not None:
                 break
     print("# " + case.description().replace("\n", "\n# "))
@@ -105,11 +107,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.show is not None:
         initialize(args.promotion)  # (which attempt is valid may depend on it)
-        return show(args.show, args.max_ops, args.x64, args.promotion)
+        return show(args.show, args.max_ops, args.dtype, args.promotion)
     seeds = ([int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds
              else list(range(args.start, args.start + args.count)))
-    tasks = [(s, args.max_ops, args.random_orders, args.x64) for s in seeds]
-    flags = (" --x64" if args.x64 else "") + (" --promotion strict" if args.promotion == "strict" else "")
+    tasks = [(s, args.max_ops, args.random_orders, args.dtype) for s in seeds]
+    flags = (f" --dtype {args.dtype}" if args.dtype != "float32" else "") + \
+        (" --promotion strict" if args.promotion == "strict" else "")
     counts = {"passed": 0, "failed": 0, "rounding": 0, "skipped": 0}
     failed, rounding = [], []
     started = time.monotonic()

@@ -24,10 +24,12 @@ takes another branch of a discontinuity than the program's own evaluation, only 
 in float32 where the float32 reference itself is rounding noise, is reported as rounding-dependent
 rather than failed (see :func:`check_case`).
 
-With ``x64`` (``scripts/fuzz.py --x64``), :func:`check_seed` evaluates the same programs in float64
-(``jax_enable_x64``, float64 inputs) and compares at ``rtol = atol =`` 1e-10, the tolerance of the
-sample programs' float64 tests: engine code that assumes 32-bit types (an int32 index meeting the
-default int64) or computes a partial in float32 fails there.
+With ``dtype`` (``scripts/fuzz.py --dtype``), :func:`check_seed` evaluates the same programs on
+inputs of another floating dtype, compared at its :data:`TOLERANCES`: in float64 (under
+``jax_enable_x64``) at ``rtol = atol =`` 1e-10, the tolerance of the sample programs' float64 tests,
+where engine code that assumes 32-bit types (an int32 index meeting the default int64) or computes
+a partial in float32 fails; in float16 and bfloat16 at 0.1, where what fails is a crash or a wrong
+dtype (NumPy, unlike JAX, has no common type of the two).
 Used by ``tests/test_fuzz.py`` and ``scripts/fuzz.py``.
 """
 
@@ -48,9 +50,8 @@ MAX_RANK = 3
 BOUND_LIMIT = 30.0
 RTOL = 1e-4
 ATOL = 1e-5
-#: the tolerances of a case evaluated in float64 (:attr:`Case.x64`)
-RTOL_X64 = 1e-10
-ATOL_X64 = 1e-10
+#: ``(rtol, atol)`` of a case by the dtype of its inputs (:attr:`Case.dtype`)
+TOLERANCES = {"float32": (RTOL, ATOL), "float64": (1e-10, 1e-10), "float16": (0.1, 0.1), "bfloat16": (0.1, 0.1)}
 
 #: Definitions every program may use; printed at the top of reproducers.
 PRELUDE = '''\
@@ -106,7 +107,7 @@ class Case:
     fun: object = field(repr=False, default=None)
     tags: list = field(default_factory=list)  # the kinds of operation used, e.g. "control:scan"
     types: dict = field(default_factory=dict)  # value name -> (dtype name, shape), as generated
-    x64: bool = False  # evaluated in float64 (float64 inputs, under jax.enable_x64), compared at RTOL_X64
+    dtype: str = "float32"  # of the inputs (float64: evaluated under jax.enable_x64); see TOLERANCES
 
     def type_of(self, name: str) -> str:
         dtype, shape = self.types[name]
@@ -125,9 +126,9 @@ class Case:
 
     def reproducer(self) -> str:
         """A self-contained script comparing ``jax.jacrev`` and ``jaxtool.jacve`` on this case."""
-        args = ", ".join(_array_literal(x, "float64" if self.x64 else "float32") for x in self.inputs)
+        args = ", ".join(_array_literal(x, self.dtype) for x in self.inputs)
         options = f"argnums={self.argnums!r}" + (", has_aux=True" if self.has_aux else "")
-        x64 = 'jax.config.update("jax_enable_x64", True)\n' if self.x64 else ""
+        x64 = 'jax.config.update("jax_enable_x64", True)\n' if self.dtype == "float64" else ""
         return (PRELUDE + "import jaxtool\n" + x64 + "\n" + self.source + f"\n\nargs = ({args},)\n"
                 f"ref = jax.jacrev(program, {options})(*args)\n"
                 "for order in ('fwd', 'rev', 'markowitz'):\n"
@@ -136,9 +137,10 @@ class Case:
 
 
 def _array_literal(x: np.ndarray, dtype: str = "float32") -> str:
-    """Python source for a float32 or float64 array (either -> Python float -> itself round-trips exactly)."""
-    values = np.asarray(x).tolist()
-    return f"np.array({values!r}, dtype=np.{dtype})"
+    """Python source for an array of a floating ``dtype`` (its values -> Python floats -> itself
+    round-trips exactly)."""
+    values = np.asarray(x, np.float64).tolist()
+    return f"np.array({values!r}, dtype={'jnp' if dtype == 'bfloat16' else 'np'}.{dtype})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1238,8 +1240,9 @@ class Result:
 
 
 def tolerances(case: Case) -> dict:
-    """:func:`compare`'s tolerances for ``case``: :data:`RTOL_X64` and :data:`ATOL_X64` in float64."""
-    return {"rtol": RTOL_X64, "atol": ATOL_X64} if case.x64 else {"rtol": RTOL, "atol": ATOL}
+    """:func:`compare`'s tolerances for ``case`` (:data:`TOLERANCES`)."""
+    rtol, atol = TOLERANCES[case.dtype]
+    return {"rtol": rtol, "atol": atol}
 
 
 def label(order) -> str:
@@ -1305,8 +1308,8 @@ def _not_the_engine(case: Case, n_random: int, orders, jacobians) -> str:
             return ("XLA without its optimisations alone differs: compiled with them (as JAX compiles by "
                     "default), jax.jacrev and every jacve order agree")
         return "jacve and jax.jacrev agree when both run eagerly"
-    if case.x64:
-        if _computes_in_float32(case) and not _float32_tolerance_failures(case, orders, jacobians):
+    if case.dtype != "float32":
+        if case.dtype == "float64" and _computes_in_float32(case) and not _float32_tolerance_failures(case, orders, jacobians):
             return ("the program computes some values in float32 (a cast, a float32 buffer), and jacve and "
                     "jax.jacrev agree to float32's tolerance")
         return ""
@@ -1400,7 +1403,7 @@ def _eager_failures(case: Case, n_random: int) -> dict:
 
 
 def _computes_in_float32(case: Case) -> bool:
-    """Whether the program of a float64 case (:attr:`Case.x64`) computes some values in a narrower
+    """Whether the program of a float64 case (:attr:`Case.dtype`) computes some values in a narrower
     floating type (``astype(jnp.float32)`` of a comparison, a scatter into such an array): rounded
     there, they differ between two evaluation orders by float32's rounding, not float64's."""
     import jax
@@ -1491,29 +1494,31 @@ def _order_failures(case: Case, orders, jacobians, ref, tolerance=None) -> dict:
     return failures
 
 
-def generated(seed: int, attempt: int = 0, max_ops: int = 25, x64: bool = False) -> Case:
-    """:func:`generate`'s case, with ``x64`` in float64 (:attr:`Case.x64`: to be run under
+def generated(seed: int, attempt: int = 0, max_ops: int = 25, dtype: str = "float32") -> Case:
+    """:func:`generate`'s case, with inputs of ``dtype`` (:attr:`Case.dtype`; float64: to be run under
     ``jax.enable_x64``)."""
+    import jax.numpy as jnp
+
     case = generate(seed, attempt, max_ops)
-    return replace(_in_float64(case), x64=True) if x64 else case
+    return replace(case, dtype=dtype, inputs=tuple(np.asarray(x, jnp.dtype(dtype)) for x in case.inputs))
 
 
-def check_seed(seed: int, n_random: int = 2, max_ops: int = 25, x64: bool = False) -> Result:
-    """Check the first valid attempt of ``seed`` (see :func:`check_case`), with ``x64`` in float64
+def check_seed(seed: int, n_random: int = 2, max_ops: int = 25, dtype: str = "float32") -> Result:
+    """Check the first valid attempt of ``seed`` (see :func:`check_case`), on inputs of ``dtype``
     (:func:`generated`); :class:`Skip` if none is valid."""
     import jax
 
-    with jax.enable_x64(True) if x64 else contextlib.nullcontext():
+    with jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext():
         for attempt in range(MAX_ATTEMPTS):
-            result = check_case(generated(seed, attempt, max_ops, x64), n_random)
+            result = check_case(generated(seed, attempt, max_ops, dtype), n_random)
             if result is not None:
                 return result
     raise Skip(f"seed {seed}: no valid program in {MAX_ATTEMPTS} attempts")
 
 
 def check_seed_outcome(seed: int, n_random: int = 2, max_ops: int = 25, reproducer: bool = True,
-                       x64: bool = False) -> tuple:
-    """``(status, report)`` of :func:`check_seed` (with ``x64``: in float64) as plain data, for worker processes.
+                       dtype: str = "float32") -> tuple:
+    """``(status, report)`` of :func:`check_seed` (on inputs of ``dtype``) as plain data, for worker processes.
 
     ``status`` is "passed", "failed" (a crash of the checker itself is a failure too, reported with
     its traceback; with ``reproducer`` the report ends with a reproducer script), "rounding" (the
@@ -1523,7 +1528,7 @@ def check_seed_outcome(seed: int, n_random: int = 2, max_ops: int = 25, reproduc
     import traceback
 
     try:
-        result = check_seed(seed, n_random, max_ops, x64)
+        result = check_seed(seed, n_random, max_ops, dtype)
     except Skip as e:
         return "skipped", str(e)
     except Exception:  # noqa: BLE001 - report it with the seed instead of losing the whole run

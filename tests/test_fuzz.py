@@ -148,19 +148,27 @@ def test_jacve_matches_jacrev_with_sines_computed_once(seed, monkeypatch):
     _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS), strict=True)
 
 
-#: more seeds, their programs evaluated in float64 and compared at 1e-10 (``scripts/fuzz.py --x64``):
-#: engine code that assumes 32-bit types fails there (indices a sort selects by were int64 there once)
+#: more seeds, their programs evaluated on float64 inputs and compared at 1e-10, and on float16 and
+#: bfloat16 ones (``scripts/fuzz.py --dtype``): engine code that assumes 32-bit types fails there
+#: (indices a sort selects by were int64 in float64 once; float16 times bfloat16 had no NumPy type)
 X64_SEEDS = range(ONCE_SEEDS[-1] + 1, ONCE_SEEDS[-1] + 31)
+HALF_SEEDS = range(X64_SEEDS[-1] + 1, X64_SEEDS[-1] + 11)
 
 
 @pytest.mark.parametrize("seed", X64_SEEDS)
 def test_jacve_matches_jacrev_in_float64(seed):
-    _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS, x64=True))
+    _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS, dtype="float64"))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("seed", HALF_SEEDS)
+def test_jacve_matches_jacrev_in_half_precision(seed, dtype):
+    _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS, dtype=dtype))
 
 
 #: more seeds, checked under ``jax.numpy_dtype_promotion("strict")`` (``scripts/fuzz.py --promotion
 #: strict``), which applies to the program and not to the engine's own arithmetic
-STRICT_SEEDS = range(X64_SEEDS[-1] + 1, X64_SEEDS[-1] + 31)
+STRICT_SEEDS = range(HALF_SEEDS[-1] + 1, HALF_SEEDS[-1] + 31)
 
 
 @pytest.mark.parametrize("seed", STRICT_SEEDS)
@@ -211,7 +219,7 @@ def test_compare_tolerates_rounding_but_not_more(reference):
 
     assert pg.compare(scaled(1 + 1e-6), reference) == []
     assert len(pg.compare(scaled(1 + 1e-3), reference)) == len(jax.tree_util.tree_leaves(reference))
-    assert len(pg.compare(scaled(1 + 1e-6), reference, rtol=pg.RTOL_X64, atol=pg.ATOL_X64)) == \
+    assert len(pg.compare(scaled(1 + 1e-6), reference, rtol=1e-10, atol=1e-10)) == \
         len(jax.tree_util.tree_leaves(reference))
 
 
@@ -267,7 +275,7 @@ def test_a_float64_case_that_computes_in_float32_is_cleared_only_at_float32_tole
     monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: False)
     monkeypatch.setattr(pg, "_eager_failures", lambda case, n: {"fwd": ["still differs"]})
     with jax.enable_x64(True):
-        case = pg.generated(5, 0, 4, x64=True)
+        case = pg.generated(5, 0, 4, dtype="float64")
         monkeypatch.setattr(pg, "_computes_in_float32", lambda case: True)
         monkeypatch.setattr(pg, "_float32_tolerance_failures", lambda case, orders, jacobians: {})
         assert "computes some values in float32" in pg.check_case(case, 1).reason
@@ -285,7 +293,7 @@ def test_float32_values_are_found_in_nested_jaxprs_of_a_float64_case():
     import jax.numpy as jnp
 
     with jax.enable_x64(True):
-        wide = dataclasses.replace(pg.generated(5, 0, 4, x64=True), fun=lambda v: jnp.sin(v) * 2, argnums=0,
+        wide = dataclasses.replace(pg.generated(5, 0, 4, dtype="float64"), fun=lambda v: jnp.sin(v) * 2, argnums=0,
                                    has_aux=False, inputs=(np.linspace(0.1, 0.9, 4),))
         narrow = dataclasses.replace(wide, fun=lambda v: jax.jit(lambda u: (u > 0.5).astype(jnp.float32) * u)(v))
         assert not pg._computes_in_float32(wide)
