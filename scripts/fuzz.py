@@ -22,13 +22,13 @@ a seed that differs only without XLA's optimisation passes, where compiled with 
 programs wrongly (seed 101906).
 
 With ``--dtype`` every program runs on inputs of another floating dtype and is compared at its
-tolerance (``program_generator.TOLERANCES``): float64 (under ``jax_enable_x64``) at ``rtol = atol =``
-1e-10, for engine code that assumes 32-bit types (there a seed whose program computes some values
-in float32, a cast of a comparison or a scatter into such an array, and agrees to float32's tolerance
-is rounding-dependent); float16 and bfloat16 at 0.1, for crashes and wrong dtypes. With ``--promotion strict`` every check runs under
-``jax_numpy_dtype_promotion="strict"`` (a program that mixes types implicitly is then invalid, and
-the next attempt of its seed is checked instead), which must apply to the program and not to the
-engine's own arithmetic.
+tolerance (``program_generator.TOLERANCES``): float64 (under ``jax_enable_x64``) at 1e-10, for engine
+code that assumes 32-bit types (there a seed whose program computes some values in float32, a cast of
+a comparison or a scatter into such an array, and agrees to float32's tolerance is
+rounding-dependent); float16 and bfloat16 at 0.1, for crashes and wrong dtypes. With ``--promotion
+strict`` every check runs under ``jax_numpy_dtype_promotion="strict"`` (a program that mixes types
+implicitly is then invalid, and the next attempt of its seed is checked instead), which must apply
+to the program and not to the engine's own arithmetic.
 
     python scripts/fuzz.py                   # seeds 0..9999 on every CPU
     python scripts/fuzz.py -n 500 --start 20000 --jobs 2

@@ -1309,7 +1309,8 @@ def _not_the_engine(case: Case, n_random: int, orders, jacobians) -> str:
                     "default), jax.jacrev and every jacve order agree")
         return "jacve and jax.jacrev agree when both run eagerly"
     if case.dtype != "float32":
-        if case.dtype == "float64" and _computes_in_float32(case) and not _float32_tolerance_failures(case, orders, jacobians):
+        if case.dtype == "float64" and _computes_in_float32(case) \
+                and not _float32_tolerance_failures(case, orders, jacobians):
             return ("the program computes some values in float32 (a cast, a float32 buffer), and jacve and "
                     "jax.jacrev agree to float32's tolerance")
         return ""
