@@ -467,3 +467,32 @@ def test_fuzz_script_exits_1_and_names_failed_seeds(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert captured.out.splitlines()[:2] == ["2 passed, 1 failed", "failed seeds: 4"]
     assert "FAILED boom" in captured.err
+
+
+@pytest.fixture
+def promotion_restored():
+    """The fuzz script sets ``jax_numpy_dtype_promotion`` for its process: set it back afterwards."""
+    import jax
+
+    previous = jax.config.jax_numpy_dtype_promotion
+    yield
+    jax.config.update("jax_numpy_dtype_promotion", previous)
+
+
+def test_fuzz_script_checks_other_dtypes_and_strict_promotion(monkeypatch, capsys, promotion_restored):
+    fuzz = _fuzz_script()
+    assert fuzz.main(["-n", "1", "--start", "5", "--max-ops", "4", "--random-orders", "1", "--jobs", "1",
+                      "--dtype", "float64", "--promotion", "strict"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["1 passed, 0 failed"]
+    assert fuzz.main(["--show", "5", "--max-ops", "4", "--dtype", "float64", "--promotion", "strict"]) == 0
+    reproducer = capsys.readouterr().out
+    assert 'jax.config.update("jax_numpy_dtype_promotion", "strict")' in reproducer
+    assert 'jax.config.update("jax_enable_x64", True)' in reproducer and "dtype=np.float64" in reproducer
+    seen = []
+    monkeypatch.setattr(fuzz.pg, "check_seed_outcome",  # not JAX: the checker, to fail on demand
+                        lambda seed, *args, **kwargs: seen.append(kwargs["dtype"]) or ("failed", "boom"))
+    assert fuzz.main(["--seeds", "4", "--jobs", "1", "--dtype", "bfloat16", "--promotion", "strict"]) == 1
+    captured = capsys.readouterr()
+    assert seen == ["bfloat16"]
+    assert "--dtype bfloat16 --promotion strict --seeds 4" in captured.out
+    assert "--dtype bfloat16 --promotion strict --show 4" in captured.err
