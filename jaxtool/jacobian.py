@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
@@ -51,12 +52,16 @@ def _differentiated_leaves(args, positions) -> list:
     return [n for p in positions for n in range(first[p % len(args)], first[p % len(args) + 1])]
 
 
+@contextlib.contextmanager
 def _engine_promotion():
-    """JAX's standard dtype promotion, under which jaxtool's own arithmetic on partials is written
-    (a boolean mask compared with an int, say): where a user sets ``jax_numpy_dtype_promotion`` to
-    ``"strict"``, that applies to their function, traced before (:func:`_trace`), and not to the
-    engine (which crashed on a ``select_n`` otherwise)."""
-    return jax.numpy_dtype_promotion("standard")
+    """JAX's standard dtype promotion and implicit rank promotion, under which jaxtool's own
+    arithmetic on partials is written (a boolean mask compared with an int, a scale of shape (n,)
+    times a block of shape (m, n), say): where a user sets ``jax_numpy_dtype_promotion`` to
+    ``"strict"`` or ``jax_numpy_rank_promotion`` to ``"raise"``, that applies to their function,
+    traced before (:func:`_trace`), and not to the engine (which crashed on a ``select_n``, or on a
+    product of partials, otherwise)."""
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        yield
 
 
 def _trace(fun, args, kwargs, positions, has_aux, static_kinds):

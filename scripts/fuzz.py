@@ -27,8 +27,10 @@ code that assumes 32-bit types (there a seed whose program computes some values 
 a comparison or a scatter into such an array, and agrees to float32's tolerance is
 rounding-dependent); float16 and bfloat16 at 0.1, for crashes and wrong dtypes. With ``--promotion
 strict`` every check runs under ``jax_numpy_dtype_promotion="strict"`` (a program that mixes types
-implicitly is then invalid, and the next attempt of its seed is checked instead), which must apply
-to the program and not to the engine's own arithmetic.
+implicitly is then invalid, and the next attempt of its seed is checked instead), and with
+``--rank-promotion raise`` under ``jax_numpy_rank_promotion="raise"`` (the same for programs that
+broadcast arrays of different ranks implicitly): settings that must apply to the program and not to
+the engine's own arithmetic.
 
     python scripts/fuzz.py                   # seeds 0..9999 on every CPU
     python scripts/fuzz.py -n 500 --start 20000 --jobs 2
@@ -36,6 +38,7 @@ to the program and not to the engine's own arithmetic.
     python scripts/fuzz.py --show 417         # print a seed's program as a runnable reproducer
     python scripts/fuzz.py -n 500 --dtype float64   # the same programs in float64, compared at 1e-10
     python scripts/fuzz.py -n 500 --promotion strict   # under jax_numpy_dtype_promotion="strict"
+    python scripts/fuzz.py -n 500 --rank-promotion raise   # under jax_numpy_rank_promotion="raise"
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import program_generator as pg  # noqa: E402
 
+#: the value of each setting of :func:`settings` that JAX starts with
+DEFAULTS = {"jax_numpy_dtype_promotion": "standard", "jax_numpy_rank_promotion": "allow"}
+
 
 def check(task):
     """Worker: ``(seed, status, report)``, status "passed", "failed" or "skipped"."""
@@ -58,12 +64,19 @@ def check(task):
     return (seed,) + pg.check_seed_outcome(seed, n_random, max_ops, reproducer=False, dtype=dtype)
 
 
-def initialize(promotion: str) -> None:
-    """Worker set-up: compile without XLA's optimisation passes; JAX's dtype promotion ``promotion``."""
+def settings(args) -> dict:
+    """The JAX settings every check runs under: ``{option: value}`` from ``--promotion`` and
+    ``--rank-promotion``."""
+    return {"jax_numpy_dtype_promotion": args.promotion, "jax_numpy_rank_promotion": args.rank_promotion}
+
+
+def initialize(options: dict) -> None:
+    """Worker set-up: compile without XLA's optimisation passes; JAX's ``options``."""
     import jax
 
     pg.quick_compilation()
-    jax.config.update("jax_numpy_dtype_promotion", promotion)
+    for name, value in options.items():
+        jax.config.update(name, value)
 
 
 def parse_args(argv):
@@ -81,11 +94,14 @@ def parse_args(argv):
     parser.add_argument("--promotion", choices=("standard", "strict"), default="standard",
                         help="jax_numpy_dtype_promotion while checking (default standard): with strict, "
                              "programs that mix types implicitly are invalid and regenerated")
+    parser.add_argument("--rank-promotion", choices=("allow", "raise"), default="allow",
+                        help="jax_numpy_rank_promotion while checking (default allow): with raise, programs "
+                             "that broadcast arrays of different ranks implicitly are invalid and regenerated")
     parser.add_argument("--show", type=int, metavar="SEED", help="print SEED's reproducer script and exit")
     return parser.parse_args(argv)
 
 
-def show(seed: int, max_ops: int, dtype: str, promotion: str) -> int:
+def show(seed: int, max_ops: int, dtype: str, options: dict) -> int:
     """Print the reproducer of ``seed``'s first valid attempt (the one the fuzzer checks)."""
     import jax
 
@@ -96,9 +112,9 @@ def show(seed: int, max_ops: int, dtype: str, promotion: str) -> int:
                 break
     print("# " + case.description().replace("\n", "\n# "))
     reproducer = case.reproducer()
-    if promotion != "standard":
-        reproducer = reproducer.replace("import jaxtool\n", "import jaxtool\n"
-                                        f'jax.config.update("jax_numpy_dtype_promotion", "{promotion}")\n', 1)
+    changed = "".join(f'jax.config.update("{name}", "{value}")\n' for name, value in options.items()
+                      if value != DEFAULTS[name])
+    reproducer = reproducer.replace("import jaxtool\n", "import jaxtool\n" + changed, 1)
     print(reproducer)
     return 0
 
@@ -106,20 +122,21 @@ def show(seed: int, max_ops: int, dtype: str, promotion: str) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.show is not None:
-        initialize(args.promotion)  # (which attempt is valid may depend on it)
-        return show(args.show, args.max_ops, args.dtype, args.promotion)
+        initialize(settings(args))  # (which attempt is valid may depend on it)
+        return show(args.show, args.max_ops, args.dtype, settings(args))
     seeds = ([int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds
              else list(range(args.start, args.start + args.count)))
     tasks = [(s, args.max_ops, args.random_orders, args.dtype) for s in seeds]
     flags = (f" --dtype {args.dtype}" if args.dtype != "float32" else "") + \
-        (" --promotion strict" if args.promotion == "strict" else "")
+        (" --promotion strict" if args.promotion == "strict" else "") + \
+        (" --rank-promotion raise" if args.rank_promotion == "raise" else "")
     counts = {"passed": 0, "failed": 0, "rounding": 0, "skipped": 0}
     failed, rounding = [], []
     started = time.monotonic()
     jobs = max(1, min(args.jobs, len(tasks)))
-    initialize(args.promotion)
+    initialize(settings(args))
     # fresh workers now and then: every compilation leaves something in JAX's caches
-    pool = (multiprocessing.get_context("spawn").Pool(jobs, initializer=initialize, initargs=(args.promotion,),
+    pool = (multiprocessing.get_context("spawn").Pool(jobs, initializer=initialize, initargs=(settings(args),),
                                                       maxtasksperchild=100)
             if jobs > 1 else None)
     results = pool.imap_unordered(check, tasks) if pool else map(check, tasks)

@@ -603,6 +603,25 @@ def test_strict_dtype_promotion_applies_to_the_function_not_the_engine():
             jaxtool.jacve(mixed)(x)
 
 
+def test_rank_promotion_raise_applies_to_the_function_not_the_engine():
+    """Under ``jax.numpy_rank_promotion("raise")`` the engine's own products of partials (a scale of
+    shape (n,) times rows of shape (m, n)) crashed in one program in fifteen of the fuzzer's (this
+    one in the fwd and markowitz orders): the engine allows rank promotion. The user's function
+    keeps the setting: an implicit rank promotion in it fails as it does under ``jax.jacrev``."""
+    f = lambda v: jnp.cumsum(jnp.sin(v[::-1]) * v)  # noqa: E731
+    promoting = lambda v: v + jnp.ones((2, 4))  # noqa: E731
+    x = jnp.array([1.3, -1.0, -1.3, -1.2])
+    with jax.numpy_rank_promotion("raise"):
+        want = jax.jacrev(f)(x)
+        for order in ("fwd", "rev", "markowitz"):
+            np.testing.assert_allclose(jax.jit(jaxtool.jacve(f, order=order))(x), want, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(jaxtool.jacve(f, order=order)(x), want, rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match="rank_promotion"):
+            jax.jacrev(promoting)(x)
+        with pytest.raises(ValueError, match="rank_promotion"):
+            jaxtool.jacve(promoting)(x)
+
+
 def test_explicitly_sharded_values_are_differentiated_replicated():
     """Over a mesh of ``AxisType.Explicit`` axes (``jax.make_mesh``'s default), values carry their
     sharding in their types, and a product of partials of two values split over one axis was

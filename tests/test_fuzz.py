@@ -179,6 +179,19 @@ def test_jacve_matches_jacrev_under_strict_dtype_promotion(seed):
         _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS))
 
 
+#: more seeds, checked under ``jax.numpy_rank_promotion("raise")`` (``scripts/fuzz.py --rank-promotion
+#: raise``), which applies to the program and not to the engine's own arithmetic
+RANK_SEEDS = range(STRICT_SEEDS[-1] + 1, STRICT_SEEDS[-1] + 31)
+
+
+@pytest.mark.parametrize("seed", RANK_SEEDS)
+def test_jacve_matches_jacrev_under_rank_promotion_raise(seed):
+    import jax
+
+    with jax.numpy_rank_promotion("raise"):
+        _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS))
+
+
 # ------------------------------------------------------------------------------------------------
 # the checker itself must be able to fail
 
@@ -471,28 +484,39 @@ def test_fuzz_script_exits_1_and_names_failed_seeds(monkeypatch, capsys):
 
 @pytest.fixture
 def promotion_restored():
-    """The fuzz script sets ``jax_numpy_dtype_promotion`` for its process: set it back afterwards."""
+    """The fuzz script sets ``jax_numpy_dtype_promotion`` and ``jax_numpy_rank_promotion`` for its
+    process: set them back afterwards."""
     import jax
 
-    previous = jax.config.jax_numpy_dtype_promotion
+    previous = jax.config.jax_numpy_dtype_promotion, jax.config.jax_numpy_rank_promotion
     yield
-    jax.config.update("jax_numpy_dtype_promotion", previous)
+    jax.config.update("jax_numpy_dtype_promotion", previous[0])
+    jax.config.update("jax_numpy_rank_promotion", previous[1])
 
 
-def test_fuzz_script_checks_other_dtypes_and_strict_promotion(monkeypatch, capsys, promotion_restored):
+def test_fuzz_script_checks_other_dtypes_and_promotion_settings(monkeypatch, capsys, promotion_restored):
+    import jax
+
     fuzz = _fuzz_script()
     assert fuzz.main(["-n", "1", "--start", "5", "--max-ops", "4", "--random-orders", "1", "--jobs", "1",
-                      "--dtype", "float64", "--promotion", "strict"]) == 0
+                      "--dtype", "float64", "--promotion", "strict", "--rank-promotion", "raise"]) == 0
     assert capsys.readouterr().out.splitlines() == ["1 passed, 0 failed"]
+    assert jax.config.jax_numpy_rank_promotion == "raise"
     assert fuzz.main(["--show", "5", "--max-ops", "4", "--dtype", "float64", "--promotion", "strict"]) == 0
     reproducer = capsys.readouterr().out
     assert 'jax.config.update("jax_numpy_dtype_promotion", "strict")' in reproducer
     assert 'jax.config.update("jax_enable_x64", True)' in reproducer and "dtype=np.float64" in reproducer
+    assert "jax_numpy_rank_promotion" not in reproducer
+    assert fuzz.main(["--show", "5", "--max-ops", "4", "--rank-promotion", "raise"]) == 0
+    reproducer = capsys.readouterr().out
+    assert 'jax.config.update("jax_numpy_rank_promotion", "raise")' in reproducer
+    assert "jax_numpy_dtype_promotion" not in reproducer
     seen = []
     monkeypatch.setattr(fuzz.pg, "check_seed_outcome",  # not JAX: the checker, to fail on demand
                         lambda seed, *args, **kwargs: seen.append(kwargs["dtype"]) or ("failed", "boom"))
-    assert fuzz.main(["--seeds", "4", "--jobs", "1", "--dtype", "bfloat16", "--promotion", "strict"]) == 1
+    assert fuzz.main(["--seeds", "4", "--jobs", "1", "--dtype", "bfloat16", "--promotion", "strict",
+                      "--rank-promotion", "raise"]) == 1
     captured = capsys.readouterr()
     assert seen == ["bfloat16"]
-    assert "--dtype bfloat16 --promotion strict --seeds 4" in captured.out
-    assert "--dtype bfloat16 --promotion strict --show 4" in captured.err
+    assert "--dtype bfloat16 --promotion strict --rank-promotion raise --seeds 4" in captured.out
+    assert "--dtype bfloat16 --promotion strict --rank-promotion raise --show 4" in captured.err
