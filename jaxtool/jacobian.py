@@ -16,7 +16,7 @@ from jaxtool.elimination import Problem, blocks, build, run
 from jaxtool.graph import flatten
 from jaxtool.orders import parse_order, resolve_order, vertex_numbers
 from jaxtool.partials import clear_plan_caches
-from jaxtool.rules import leaked_rule_error
+from jaxtool.rules import custom_rule, leaked_rule_error
 from jaxtool.sharing import call_sharing, of_scalars, reads_dear
 
 
@@ -168,7 +168,7 @@ class _StagedJacobian:
         self.kinds = INTEGERS  # SCALARS from the first call whose fun needs a float scalar concrete
         # aux leaves that are not arrays cannot leave jax.jit: kept per call signature, as traced
         self.aux_layouts = {}
-        self.program = None  # the last program traced
+        self.custom_rule = None  # the last program traced's first custom rule (rules.custom_rule)
 
     def trace(self, kinds, args, kwargs) -> tuple:
         """The function traced at ``args`` and ``kwargs`` (:func:`_trace`)."""
@@ -181,7 +181,7 @@ class _StagedJacobian:
     def emitted(self, traced):
         """:meth:`parts` of the function as :meth:`trace` traced it."""
         program, values, wrt, dyn_tree, out_tree, aux_tree, static = traced
-        self.program = program  # (for the error of a custom rule that leaks a tracer, see __call__)
+        self.custom_rule = custom_rule(program)  # (for the error of a rule that leaks a tracer, see __call__)
         with _engine_promotion():
             problem = build(program, values, wrt)
             run(problem, resolve_order(self.order, problem))
@@ -242,7 +242,7 @@ class _StagedJacobian:
         try:
             (result, arrays), static = self.with_kinds(staged_call)
         except jax.errors.UnexpectedTracerError as error:
-            raise leaked_rule_error(self.program, error) from error
+            raise leaked_rule_error(self.custom_rule, error) from error
         if not self.has_aux:
             return result
         return self.with_aux(result, arrays, *self.aux_layouts[static, _signature(args, kwargs)])

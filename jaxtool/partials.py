@@ -281,6 +281,24 @@ def shared_applications():
         state.results = None
 
 
+def apart(f: Callable) -> Callable:
+    """``f`` run with a table of applications of its own (see :func:`shared_applications`), where
+    there is one outside, and the outer one back afterwards: for a map that JAX traces in a trace of
+    its own (``jax.vmap``, ``lax.map``, ``jax.eval_shape``, ``jax.linear_transpose``). What the map
+    makes there belongs to that trace, and an entry of the outer table would keep it alive after the
+    trace has ended (``jax_check_tracer_leaks`` reported most programs' Jacobians for it)."""
+    def run(*args):
+        state = _APPLICATIONS
+        outer = state.results
+        state.results = None if outer is None else {}
+        try:
+            return f(*args)
+        finally:
+            state.results = outer
+
+    return run
+
+
 def _once_per_argument(f: Optional[Callable], owner: Optional["Linear"] = None,
                        forward: bool = True) -> Optional[Callable]:
     """``f`` (a Linear's ``fn`` or ``fn_t``) evaluated at most once per argument object while
@@ -490,8 +508,8 @@ class Linear(Partial):
             return self.fn
         derived = self.__dict__.get("derived_fn")  # kept, so that it too is applied once per argument
         if derived is None:
-            transposed = jax.linear_transpose(self.fn_t, self._out_struct())
-            takes = jax.eval_shape(self.fn_t, self._out_struct()).dtype  # the dtype fn_t's cotangents have
+            transposed = jax.linear_transpose(apart(self.fn_t), self._out_struct())
+            takes = jax.eval_shape(apart(self.fn_t), self._out_struct()).dtype  # the dtype fn_t's cotangents have
             try:
                 jax.eval_shape(transposed, jax.ShapeDtypeStruct(self.in_shape, takes))
             except Exception:  # noqa: BLE001 - a VJP JAX cannot transpose (odeint's calls odeint): by rows
@@ -509,8 +527,8 @@ class Linear(Partial):
             return self.fn_t
         derived = self.__dict__.get("derived_fn_t")
         if derived is None:
-            transposed = jax.linear_transpose(self.fn, self._in_struct())
-            gives = jax.eval_shape(self.fn, self._in_struct()).dtype  # the dtype fn's tangents have
+            transposed = jax.linear_transpose(apart(self.fn), self._in_struct())
+            gives = jax.eval_shape(apart(self.fn), self._in_struct()).dtype  # the dtype fn's tangents have
             derived = _once_per_argument(lambda c: transposed(cast(c, gives))[0])
             object.__setattr__(self, "derived_fn_t", derived)
         return derived
@@ -587,9 +605,9 @@ def _vmapped(f, xs):
     if xs.shape[0] == 1:
         return jax.tree_util.tree_map(lambda y: lax.expand_dims(y, (0,)), f(lax.squeeze(xs, (0,))))
     try:
-        return jax.vmap(f)(xs)
+        return jax.vmap(apart(f))(xs)
     except NotImplementedError:
-        return lax.map(f, xs)
+        return lax.map(apart(f), xs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -657,7 +675,7 @@ def _transposable(x: Linear) -> bool:
     known = x.__dict__.get("transposable")
     if known is None:
         try:
-            jax.eval_shape(x.backward(), x._out_struct())  # derived here, in the trace x was made in
+            jax.eval_shape(apart(x.backward()), x._out_struct())  # derived here, in the trace x was made in
             known = True
         except Exception:  # noqa: BLE001 - JAX has no transpose rule for a primitive of fn (while)
             known = False

@@ -17,7 +17,7 @@ and reported as opaque by the counters. Equations that read or make complex valu
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from jax.extend.core import primitives as P
 from jaxtool._compat import split_p, stack_p, unstack_p
 from jaxtool.errors import UnsupportedError
 from jaxtool.graph import NUMPY_RULES, FlatEqn, bind
-from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, cast, promoted, reshaped,
+from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, apart, cast, promoted, reshaped,
                               selection_from_index, sum_of_selections)
 from jaxtool.printing import subjaxprs
 from jaxtool.point_forms import two_forms_p
@@ -841,10 +841,10 @@ def _jvp_eliminated(eqn, invals, outvals, wrt, apply):
     except UnsupportedError:
         return opaque(eqn, invals, outvals, wrt)
     except jax.errors.UnexpectedTracerError as error:
-        raise closure_error(eqn, error) from error
+        raise closure_error(eqn.name, eqn.location(), error) from error
 
 
-def closure_error(eqn, error: Exception) -> UnsupportedError:
+def closure_error(name: str, location, error: Exception) -> UnsupportedError:
     """The error for a custom rule that reads a value of the trace its equation was recorded in.
 
     A function defined inside the traced one may close over the traced one's arguments, and
@@ -852,24 +852,33 @@ def closure_error(eqn, error: Exception) -> UnsupportedError:
     them, in the traced function); JAX traces the rule only when it differentiates the equation.
     ``jaxtool.jacve`` and ``jaxtool jac`` let a closure read the arguments they do not differentiate
     (see ``jacobian._trace``); any other traced value is a stale tracer by then (``jax.jacrev``
-    traces the rule within the function's trace)."""
+    traces the rule within the function's trace). ``name`` and ``location``: the custom function's
+    primitive and the user's ``file:line`` of it."""
     return UnsupportedError(
-        f"the derivative rule of '{eqn.name}' reads a value of the traced function after that trace has ended "
+        f"the derivative rule of '{name}' reads a value of the traced function after that trace has ended "
         f"({type(error).__name__}): an array given as a nondiff_argnums argument (such as n of "
         "jax.scipy.special.expn), or a traced value the custom function closes over; pass a Python number "
         "there, or make the value an argument of the custom function (closing over an argument that is not "
-        "differentiated is accepted)", primitive=eqn.name, location=eqn.location())
+        "differentiated is accepted)", primitive=name, location=location)
 
 
-def leaked_rule_error(program, error: Exception) -> Exception:
-    """``error`` (a tracer leaked from the elimination of ``program``) as the :func:`closure_error`
-    of the first custom derivative rule of ``program`` that can have leaked it; ``error`` itself
-    where ``program`` has none. (The leak shows only when the staged Jacobian's trace ends.)"""
+def custom_rule(program) -> Optional[tuple]:
+    """``(name, location)`` of the first equation of ``program`` that is, or holds, a custom
+    derivative rule (see :func:`leaked_rule_error`); None if there is none. Plain strings, which
+    keep nothing of the trace ``program`` was recorded in alive."""
     custom = (P.custom_jvp_call_p, P.custom_vjp_call_p)
-    for eqn in program.eqns if program is not None else ():
+    for eqn in program.eqns:
         if eqn.primitive in custom or any(contains(sub, p) for _, _, sub in subjaxprs(eqn.params) for p in custom):
-            return closure_error(eqn, error)
-    return error
+            return eqn.name, eqn.location()
+    return None
+
+
+def leaked_rule_error(rule: Optional[tuple], error: Exception) -> Exception:
+    """``error`` (a tracer leaked from an elimination) as the :func:`closure_error` of the custom
+    derivative rule that can have leaked it, ``rule`` (:func:`custom_rule` of the program
+    eliminated); ``error`` itself where ``rule`` is None. (The leak shows only when the staged
+    Jacobian's trace ends.)"""
+    return error if rule is None else closure_error(*rule, error)
 
 
 @register(P.custom_vjp_call_p)
@@ -878,7 +887,7 @@ def custom_vjp(eqn, invals, outvals, wrt):
     try:
         return _custom_vjp(eqn, invals, outvals, wrt)
     except jax.errors.UnexpectedTracerError as error:
-        raise closure_error(eqn, error) from error
+        raise closure_error(eqn.name, eqn.location(), error) from error
 
 
 def _custom_vjp(eqn, invals, outvals, wrt):
@@ -997,7 +1006,7 @@ def _on_pairs(partial):
                       partial.dtype, val, partial.unit)
 
     def per_part(f):
-        return None if f is None else jax.vmap(f, in_axes=-1, out_axes=-1)
+        return None if f is None else jax.vmap(apart(f), in_axes=-1, out_axes=-1)
 
     index = partial.index
     if index is not None:  # flat element o of a part -> flat element 2 o + part

@@ -30,7 +30,8 @@ strict`` every check runs under ``jax_numpy_dtype_promotion="strict"`` (a progra
 implicitly is then invalid, and the next attempt of its seed is checked instead), and with
 ``--rank-promotion raise`` under ``jax_numpy_rank_promotion="raise"`` (the same for programs that
 broadcast arrays of different ranks implicitly): settings that must apply to the program and not to
-the engine's own arithmetic.
+the engine's own arithmetic. With ``--check-leaks`` every check runs under ``jax_check_tracer_leaks``:
+no value of a trace the engine opens (``jax.vmap`` of a map, ``jax.eval_shape``, ...) may outlive it.
 
     python scripts/fuzz.py                   # seeds 0..9999 on every CPU
     python scripts/fuzz.py -n 500 --start 20000 --jobs 2
@@ -39,6 +40,7 @@ the engine's own arithmetic.
     python scripts/fuzz.py -n 500 --dtype float64   # the same programs in float64, compared at 1e-10
     python scripts/fuzz.py -n 500 --promotion strict   # under jax_numpy_dtype_promotion="strict"
     python scripts/fuzz.py -n 500 --rank-promotion raise   # under jax_numpy_rank_promotion="raise"
+    python scripts/fuzz.py -n 500 --check-leaks   # under jax_check_tracer_leaks
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import program_generator as pg  # noqa: E402
 
 #: the value of each setting of :func:`settings` that JAX starts with
-DEFAULTS = {"jax_numpy_dtype_promotion": "standard", "jax_numpy_rank_promotion": "allow"}
+DEFAULTS = {"jax_numpy_dtype_promotion": "standard", "jax_numpy_rank_promotion": "allow",
+            "jax_check_tracer_leaks": False}
 
 
 def check(task):
@@ -65,9 +68,10 @@ def check(task):
 
 
 def settings(args) -> dict:
-    """The JAX settings every check runs under: ``{option: value}`` from ``--promotion`` and
-    ``--rank-promotion``."""
-    return {"jax_numpy_dtype_promotion": args.promotion, "jax_numpy_rank_promotion": args.rank_promotion}
+    """The JAX settings every check runs under: ``{option: value}`` from ``--promotion``,
+    ``--rank-promotion`` and ``--check-leaks``."""
+    return {"jax_numpy_dtype_promotion": args.promotion, "jax_numpy_rank_promotion": args.rank_promotion,
+            "jax_check_tracer_leaks": args.check_leaks}
 
 
 def initialize(options: dict) -> None:
@@ -97,8 +101,15 @@ def parse_args(argv):
     parser.add_argument("--rank-promotion", choices=("allow", "raise"), default="allow",
                         help="jax_numpy_rank_promotion while checking (default allow): with raise, programs "
                              "that broadcast arrays of different ranks implicitly are invalid and regenerated")
+    parser.add_argument("--check-leaks", action="store_true",
+                        help="check under jax_check_tracer_leaks (a tracer that outlives its trace fails)")
     parser.add_argument("--show", type=int, metavar="SEED", help="print SEED's reproducer script and exit")
     return parser.parse_args(argv)
+
+
+def _literal(value) -> str:
+    """``value`` as Python source, strings in double quotes."""
+    return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
 def show(seed: int, max_ops: int, dtype: str, options: dict) -> int:
@@ -112,7 +123,7 @@ def show(seed: int, max_ops: int, dtype: str, options: dict) -> int:
                 break
     print("# " + case.description().replace("\n", "\n# "))
     reproducer = case.reproducer()
-    changed = "".join(f'jax.config.update("{name}", "{value}")\n' for name, value in options.items()
+    changed = "".join(f'jax.config.update("{name}", {_literal(value)})\n' for name, value in options.items()
                       if value != DEFAULTS[name])
     reproducer = reproducer.replace("import jaxtool\n", "import jaxtool\n" + changed, 1)
     print(reproducer)
@@ -129,7 +140,8 @@ def main(argv=None) -> int:
     tasks = [(s, args.max_ops, args.random_orders, args.dtype) for s in seeds]
     flags = (f" --dtype {args.dtype}" if args.dtype != "float32" else "") + \
         (" --promotion strict" if args.promotion == "strict" else "") + \
-        (" --rank-promotion raise" if args.rank_promotion == "raise" else "")
+        (" --rank-promotion raise" if args.rank_promotion == "raise" else "") + \
+        (" --check-leaks" if args.check_leaks else "")
     counts = {"passed": 0, "failed": 0, "rounding": 0, "skipped": 0}
     failed, rounding = [], []
     started = time.monotonic()

@@ -192,6 +192,19 @@ def test_jacve_matches_jacrev_under_rank_promotion_raise(seed):
         _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS))
 
 
+#: more seeds, checked under ``jax.checking_leaks()`` (``scripts/fuzz.py --check-leaks``): no value of
+#: a trace the engine opens may outlive it
+LEAK_SEEDS = range(RANK_SEEDS[-1] + 1, RANK_SEEDS[-1] + 21)
+
+
+@pytest.mark.parametrize("seed", LEAK_SEEDS)
+def test_jacve_matches_jacrev_under_tracer_leak_checks(seed):
+    import jax
+
+    with jax.checking_leaks():
+        _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS))
+
+
 # ------------------------------------------------------------------------------------------------
 # the checker itself must be able to fail
 
@@ -484,14 +497,14 @@ def test_fuzz_script_exits_1_and_names_failed_seeds(monkeypatch, capsys):
 
 @pytest.fixture
 def promotion_restored():
-    """The fuzz script sets ``jax_numpy_dtype_promotion`` and ``jax_numpy_rank_promotion`` for its
-    process: set them back afterwards."""
+    """The fuzz script sets JAX's settings (``fuzz.DEFAULTS``) for its process: set them back afterwards."""
     import jax
 
-    previous = jax.config.jax_numpy_dtype_promotion, jax.config.jax_numpy_rank_promotion
+    fuzz = _fuzz_script()
+    previous = {name: getattr(jax.config, name) for name in fuzz.DEFAULTS}
     yield
-    jax.config.update("jax_numpy_dtype_promotion", previous[0])
-    jax.config.update("jax_numpy_rank_promotion", previous[1])
+    for name, value in previous.items():
+        jax.config.update(name, value)
 
 
 def test_fuzz_script_checks_other_dtypes_and_promotion_settings(monkeypatch, capsys, promotion_restored):
@@ -499,24 +512,25 @@ def test_fuzz_script_checks_other_dtypes_and_promotion_settings(monkeypatch, cap
 
     fuzz = _fuzz_script()
     assert fuzz.main(["-n", "1", "--start", "5", "--max-ops", "4", "--random-orders", "1", "--jobs", "1",
-                      "--dtype", "float64", "--promotion", "strict", "--rank-promotion", "raise"]) == 0
+                      "--dtype", "float64", "--promotion", "strict", "--rank-promotion", "raise", "--check-leaks"]) == 0
     assert capsys.readouterr().out.splitlines() == ["1 passed, 0 failed"]
-    assert jax.config.jax_numpy_rank_promotion == "raise"
+    assert jax.config.jax_numpy_rank_promotion == "raise" and jax.config.jax_check_tracer_leaks
     assert fuzz.main(["--show", "5", "--max-ops", "4", "--dtype", "float64", "--promotion", "strict"]) == 0
     reproducer = capsys.readouterr().out
     assert 'jax.config.update("jax_numpy_dtype_promotion", "strict")' in reproducer
     assert 'jax.config.update("jax_enable_x64", True)' in reproducer and "dtype=np.float64" in reproducer
     assert "jax_numpy_rank_promotion" not in reproducer
-    assert fuzz.main(["--show", "5", "--max-ops", "4", "--rank-promotion", "raise"]) == 0
+    assert fuzz.main(["--show", "5", "--max-ops", "4", "--rank-promotion", "raise", "--check-leaks"]) == 0
     reproducer = capsys.readouterr().out
     assert 'jax.config.update("jax_numpy_rank_promotion", "raise")' in reproducer
+    assert 'jax.config.update("jax_check_tracer_leaks", True)' in reproducer
     assert "jax_numpy_dtype_promotion" not in reproducer
     seen = []
     monkeypatch.setattr(fuzz.pg, "check_seed_outcome",  # not JAX: the checker, to fail on demand
                         lambda seed, *args, **kwargs: seen.append(kwargs["dtype"]) or ("failed", "boom"))
     assert fuzz.main(["--seeds", "4", "--jobs", "1", "--dtype", "bfloat16", "--promotion", "strict",
-                      "--rank-promotion", "raise"]) == 1
+                      "--rank-promotion", "raise", "--check-leaks"]) == 1
     captured = capsys.readouterr()
     assert seen == ["bfloat16"]
-    assert "--dtype bfloat16 --promotion strict --rank-promotion raise --seeds 4" in captured.out
-    assert "--dtype bfloat16 --promotion strict --rank-promotion raise --show 4" in captured.err
+    assert "--dtype bfloat16 --promotion strict --rank-promotion raise --check-leaks --seeds 4" in captured.out
+    assert "--dtype bfloat16 --promotion strict --rank-promotion raise --check-leaks --show 4" in captured.err

@@ -72,6 +72,16 @@ def test_check_passes_for_named_orders(capsys, order):
     assert re.search(rf"^elimination order: {order} \(8 vertices\)  multiplications: \d+  additions: \d+$", out, re.M)
 
 
+
+def test_no_tracer_outlives_its_trace_from_the_command_line(capsys):
+    """Under ``jax.checking_leaks()`` (``JAX_CHECK_TRACER_LEAKS=1``) ``jaxtool jac`` kept the program
+    it eliminated, whose argument not differentiated (y) is a value of the finished trace, for the
+    message of a leaking custom rule: it keeps the rule's name and location instead."""
+    with jax.checking_leaks():
+        code, out, err = jac(capsys, BRANCHES, "--argnums", "0", "--order", "fwd", "--check")
+    assert code == 0, err
+    assert re.search(r"^check passed", out, re.M)
+
 def test_custom_order_permutation(capsys):
     rev = jac_json(capsys, BRANCHES, "--argnums", "0,1")
     assert rev["order"] == "rev" and rev["vertices"] == [8, 7, 6, 5, 4, 3, 2, 1]

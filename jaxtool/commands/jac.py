@@ -192,7 +192,7 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
     from jaxtool.elimination import blocks, build, run
     from jaxtool.graph import flatten
     from jaxtool.orders import resolve_order
-    from jaxtool.rules import leaked_rule_error
+    from jaxtool.rules import custom_rule, leaked_rule_error
 
     recorded, chosen = {}, set(wrt)
 
@@ -204,8 +204,9 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
             full = [x if k in chosen else args[k] for k, x in enumerate(flat)]
             return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(in_tree, full)))
 
-        recorded["program"] = flatten(jax.make_jaxpr(program)(*args))
-        problem = build(recorded["program"], args, wrt)
+        flat = flatten(jax.make_jaxpr(program)(*args))
+        recorded["rule"] = custom_rule(flat)
+        problem = build(flat, args, wrt)
         vertices = resolve_order(order, problem)
         recorded["opaque"] = problem.opaque
         recorded["result"] = (vertices, run(problem, vertices))
@@ -216,7 +217,7 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
         # the wait, as RESOURCE_EXHAUSTED; reading the array unwaited aborts the process (JAX 0.10.2)
         jac = jax.block_until_ready(jax.jit(eliminate)(leaves))
     except jax.errors.UnexpectedTracerError as error:  # a rule closing over a differentiated argument
-        raise leaked_rule_error(recorded.get("program"), error) from error
+        raise leaked_rule_error(recorded.get("rule"), error) from error
     columns = sorted(wrt)  # blocks() orders the differentiated inputs by flat index
     jac = [[row[columns.index(k)] for k in wrt] for row in jac]
     return recorded["result"], jac, recorded["opaque"]
