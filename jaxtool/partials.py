@@ -284,7 +284,8 @@ def shared_applications():
 def apart(f: Callable) -> Callable:
     """``f`` run with a table of applications of its own (see :func:`shared_applications`), where
     there is one outside, and the outer one back afterwards: for a map that JAX traces in a trace of
-    its own (``jax.vmap``, ``lax.map``, ``jax.eval_shape``, ``jax.linear_transpose``). What the map
+    its own (``jax.vmap``, ``lax.map``, ``jax.eval_shape``, ``jax.linear_transpose``,
+    ``jax.closure_convert``). What the map
     makes there belongs to that trace, and an entry of the outer table would keep it alive after the
     trace has ended (``jax_check_tracer_leaks`` reported most programs' Jacobians for it)."""
     def run(*args):
@@ -793,7 +794,7 @@ def _replayed(f: Optional[Callable], argument) -> Optional[Callable]:
     (values it closes over become arguments of the trace, :func:`jax.closure_convert`)."""
     if f is None:
         return None
-    converted, consts = jax.closure_convert(f, argument)
+    converted, consts = jax.closure_convert(apart(f), argument)
     return lambda t: converted(t, *consts)
 
 

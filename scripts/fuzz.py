@@ -32,6 +32,8 @@ implicitly is then invalid, and the next attempt of its seed is checked instead)
 broadcast arrays of different ranks implicitly): settings that must apply to the program and not to
 the engine's own arithmetic. With ``--check-leaks`` every check runs under ``jax_check_tracer_leaks``:
 no value of a trace the engine opens (``jax.vmap`` of a map, ``jax.eval_shape``, ...) may outlive it.
+With ``--small-thresholds`` the engine's size thresholds are ``program_generator.SMALL_THRESHOLDS``,
+so that the paths it takes for large partials run on these small programs.
 
     python scripts/fuzz.py                   # seeds 0..9999 on every CPU
     python scripts/fuzz.py -n 500 --start 20000 --jobs 2
@@ -41,6 +43,7 @@ no value of a trace the engine opens (``jax.vmap`` of a map, ``jax.eval_shape``,
     python scripts/fuzz.py -n 500 --promotion strict   # under jax_numpy_dtype_promotion="strict"
     python scripts/fuzz.py -n 500 --rank-promotion raise   # under jax_numpy_rank_promotion="raise"
     python scripts/fuzz.py -n 500 --check-leaks   # under jax_check_tracer_leaks
+    python scripts/fuzz.py -n 500 --small-thresholds   # the paths for large partials, on small programs
 """
 
 from __future__ import annotations
@@ -74,13 +77,16 @@ def settings(args) -> dict:
             "jax_check_tracer_leaks": args.check_leaks}
 
 
-def initialize(options: dict) -> None:
-    """Worker set-up: compile without XLA's optimisation passes; JAX's ``options``."""
+def initialize(options: dict, small: bool = False) -> None:
+    """Worker set-up: compile without XLA's optimisation passes; JAX's ``options``; with ``small``,
+    the engine's :data:`program_generator.SMALL_THRESHOLDS`."""
     import jax
 
     pg.quick_compilation()
     for name, value in options.items():
         jax.config.update(name, value)
+    if small:
+        pg.set_thresholds(pg.SMALL_THRESHOLDS)
 
 
 def parse_args(argv):
@@ -103,6 +109,9 @@ def parse_args(argv):
                              "that broadcast arrays of different ranks implicitly are invalid and regenerated")
     parser.add_argument("--check-leaks", action="store_true",
                         help="check under jax_check_tracer_leaks (a tracer that outlives its trace fails)")
+    parser.add_argument("--small-thresholds", action="store_true",
+                        help="shrink the engine's size thresholds (program_generator.SMALL_THRESHOLDS), so that "
+                             "the paths for large partials run on these small programs")
     parser.add_argument("--show", type=int, metavar="SEED", help="print SEED's reproducer script and exit")
     return parser.parse_args(argv)
 
@@ -112,7 +121,7 @@ def _literal(value) -> str:
     return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
-def show(seed: int, max_ops: int, dtype: str, options: dict) -> int:
+def show(seed: int, max_ops: int, dtype: str, options: dict, small: bool = False) -> int:
     """Print the reproducer of ``seed``'s first valid attempt (the one the fuzzer checks)."""
     import jax
 
@@ -125,6 +134,10 @@ def show(seed: int, max_ops: int, dtype: str, options: dict) -> int:
     reproducer = case.reproducer()
     changed = "".join(f'jax.config.update("{name}", {_literal(value)})\n' for name, value in options.items()
                       if value != DEFAULTS[name])
+    if small:
+        changed += "".join(f"import jaxtool.{name}\n" + "".join(f"jaxtool.{name}.{attribute} = {value}\n"
+                                                          for attribute, value in values.items())
+                           for name, values in pg.SMALL_THRESHOLDS.items())
     reproducer = reproducer.replace("import jaxtool\n", "import jaxtool\n" + changed, 1)
     print(reproducer)
     return 0
@@ -134,21 +147,22 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.show is not None:
         initialize(settings(args))  # (which attempt is valid may depend on it)
-        return show(args.show, args.max_ops, args.dtype, settings(args))
+        return show(args.show, args.max_ops, args.dtype, settings(args), args.small_thresholds)
     seeds = ([int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds
              else list(range(args.start, args.start + args.count)))
     tasks = [(s, args.max_ops, args.random_orders, args.dtype) for s in seeds]
     flags = (f" --dtype {args.dtype}" if args.dtype != "float32" else "") + \
         (" --promotion strict" if args.promotion == "strict" else "") + \
         (" --rank-promotion raise" if args.rank_promotion == "raise" else "") + \
-        (" --check-leaks" if args.check_leaks else "")
+        (" --check-leaks" if args.check_leaks else "") + (" --small-thresholds" if args.small_thresholds else "")
     counts = {"passed": 0, "failed": 0, "rounding": 0, "skipped": 0}
     failed, rounding = [], []
     started = time.monotonic()
     jobs = max(1, min(args.jobs, len(tasks)))
-    initialize(settings(args))
+    initialize(settings(args), args.small_thresholds)
     # fresh workers now and then: every compilation leaves something in JAX's caches
-    pool = (multiprocessing.get_context("spawn").Pool(jobs, initializer=initialize, initargs=(settings(args),),
+    pool = (multiprocessing.get_context("spawn").Pool(jobs, initializer=initialize,
+                                                      initargs=(settings(args), args.small_thresholds),
                                                       maxtasksperchild=100)
             if jobs > 1 else None)
     results = pool.imap_unordered(check, tasks) if pool else map(check, tasks)

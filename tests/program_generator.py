@@ -1549,3 +1549,50 @@ def quick_compilation() -> None:
     import jax
 
     jax.config.update("jax_disable_most_optimizations", True)
+
+
+#: the engine's size thresholds (module -> name -> value) shrunk so far that the paths for large
+#: partials (densified in parts, bundled, replayed, contracted by ``dot_general``, ...) run on these
+#: small programs: the thresholds choose how a Jacobian is computed, never what it is
+SMALL_THRESHOLDS = {
+    "partials": {"SMALL_DENSE": 2, "MAX_DEPTH": 2, "MAX_REPLAYED": 4, "SMALL_CONTRACTION": 2, "UNROLLED_SUM": 1,
+                 "POINT_SUM": 1, "MAX_PARTS": 2},
+    "rules": {"MAX_PARTS": 2},
+    "bundles": {"MIN_STORED": 1, "MAX_STORED": 4},
+    "sharing": {"ROW": 1, "ROWS": 2, "COPY_COST": 1, "ONCE_SIZE": 1},
+    "graph": {"FOLDED_SIZE": 2},
+}
+
+
+def thresholds() -> dict:
+    """The engine's current values of the thresholds :data:`SMALL_THRESHOLDS` names."""
+    import importlib
+
+    return {name: {attribute: getattr(importlib.import_module(f"jaxtool.{name}"), attribute) for attribute in values}
+            for name, values in SMALL_THRESHOLDS.items()}
+
+
+def set_thresholds(values: dict) -> None:
+    """Set the engine's thresholds to ``values`` (as :data:`SMALL_THRESHOLDS`)."""
+    import importlib
+
+    for name, settings in values.items():
+        module = importlib.import_module(f"jaxtool.{name}")
+        for attribute, value in settings.items():
+            setattr(module, attribute, value)
+
+
+@contextlib.contextmanager
+def small_thresholds():
+    """Within: the engine's thresholds are :data:`SMALL_THRESHOLDS` (its caches emptied on the way
+    in and out: a cached plan or staged Jacobian was made under the thresholds of its time)."""
+    from jaxtool.jacobian import clear_caches
+
+    previous = thresholds()
+    set_thresholds(SMALL_THRESHOLDS)
+    clear_caches()
+    try:
+        yield
+    finally:
+        set_thresholds(previous)
+        clear_caches()

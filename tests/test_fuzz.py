@@ -205,6 +205,20 @@ def test_jacve_matches_jacrev_under_tracer_leak_checks(seed):
         _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS))
 
 
+#: more seeds, checked with the engine's size thresholds shrunk (``program_generator.SMALL_THRESHOLDS``,
+#: ``scripts/fuzz.py --small-thresholds``): the paths for large partials, on small programs; and
+#: under ``jax.checking_leaks()`` too, as the traces those paths open are not opened otherwise
+SMALL_THRESHOLD_SEEDS = range(LEAK_SEEDS[-1] + 1, LEAK_SEEDS[-1] + 21)
+
+
+@pytest.mark.parametrize("seed", SMALL_THRESHOLD_SEEDS)
+def test_jacve_matches_jacrev_with_small_thresholds(seed):
+    import jax
+
+    with pg.small_thresholds(), jax.checking_leaks():
+        _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS))
+
+
 # ------------------------------------------------------------------------------------------------
 # the checker itself must be able to fail
 
@@ -497,14 +511,19 @@ def test_fuzz_script_exits_1_and_names_failed_seeds(monkeypatch, capsys):
 
 @pytest.fixture
 def promotion_restored():
-    """The fuzz script sets JAX's settings (``fuzz.DEFAULTS``) for its process: set them back afterwards."""
+    """The fuzz script sets JAX's settings (``fuzz.DEFAULTS``) and the engine's thresholds for its
+    process: set them back afterwards."""
     import jax
 
+    from jaxtool.jacobian import clear_caches
+
     fuzz = _fuzz_script()
-    previous = {name: getattr(jax.config, name) for name in fuzz.DEFAULTS}
+    previous, thresholds = {name: getattr(jax.config, name) for name in fuzz.DEFAULTS}, pg.thresholds()
     yield
     for name, value in previous.items():
         jax.config.update(name, value)
+    pg.set_thresholds(thresholds)
+    clear_caches()
 
 
 def test_fuzz_script_checks_other_dtypes_and_promotion_settings(monkeypatch, capsys, promotion_restored):
@@ -512,16 +531,20 @@ def test_fuzz_script_checks_other_dtypes_and_promotion_settings(monkeypatch, cap
 
     fuzz = _fuzz_script()
     assert fuzz.main(["-n", "1", "--start", "5", "--max-ops", "4", "--random-orders", "1", "--jobs", "1",
-                      "--dtype", "float64", "--promotion", "strict", "--rank-promotion", "raise", "--check-leaks"]) == 0
+                      "--dtype", "float64", "--promotion", "strict", "--rank-promotion", "raise", "--check-leaks",
+                      "--small-thresholds"]) == 0
     assert capsys.readouterr().out.splitlines() == ["1 passed, 0 failed"]
     assert jax.config.jax_numpy_rank_promotion == "raise" and jax.config.jax_check_tracer_leaks
+    assert pg.thresholds() == pg.SMALL_THRESHOLDS
     assert fuzz.main(["--show", "5", "--max-ops", "4", "--dtype", "float64", "--promotion", "strict"]) == 0
     reproducer = capsys.readouterr().out
     assert 'jax.config.update("jax_numpy_dtype_promotion", "strict")' in reproducer
     assert 'jax.config.update("jax_enable_x64", True)' in reproducer and "dtype=np.float64" in reproducer
     assert "jax_numpy_rank_promotion" not in reproducer
-    assert fuzz.main(["--show", "5", "--max-ops", "4", "--rank-promotion", "raise", "--check-leaks"]) == 0
+    assert fuzz.main(["--show", "5", "--max-ops", "4", "--rank-promotion", "raise", "--check-leaks",
+                      "--small-thresholds"]) == 0
     reproducer = capsys.readouterr().out
+    assert "jaxtool.partials.SMALL_DENSE = 2\n" in reproducer and "jaxtool.bundles.MIN_STORED = 1\n" in reproducer
     assert 'jax.config.update("jax_numpy_rank_promotion", "raise")' in reproducer
     assert 'jax.config.update("jax_check_tracer_leaks", True)' in reproducer
     assert "jax_numpy_dtype_promotion" not in reproducer
@@ -529,8 +552,8 @@ def test_fuzz_script_checks_other_dtypes_and_promotion_settings(monkeypatch, cap
     monkeypatch.setattr(fuzz.pg, "check_seed_outcome",  # not JAX: the checker, to fail on demand
                         lambda seed, *args, **kwargs: seen.append(kwargs["dtype"]) or ("failed", "boom"))
     assert fuzz.main(["--seeds", "4", "--jobs", "1", "--dtype", "bfloat16", "--promotion", "strict",
-                      "--rank-promotion", "raise", "--check-leaks"]) == 1
+                      "--rank-promotion", "raise", "--check-leaks", "--small-thresholds"]) == 1
     captured = capsys.readouterr()
     assert seen == ["bfloat16"]
-    assert "--dtype bfloat16 --promotion strict --rank-promotion raise --check-leaks --seeds 4" in captured.out
-    assert "--dtype bfloat16 --promotion strict --rank-promotion raise --check-leaks --show 4" in captured.err
+    flags = "--dtype bfloat16 --promotion strict --rank-promotion raise --check-leaks --small-thresholds"
+    assert f"{flags} --seeds 4" in captured.out and f"{flags} --show 4" in captured.err
