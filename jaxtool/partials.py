@@ -259,6 +259,7 @@ class _Applications(threading.local):
     """Per thread: the results of Linears' functions by (function, argument), while they are kept."""
 
     results: Optional[dict] = None
+    nested: int = 0  # how many maps run apart (see apart) now
 
 
 _APPLICATIONS = _Applications()
@@ -285,19 +286,36 @@ def apart(f: Callable) -> Callable:
     """``f`` run with a table of applications of its own (see :func:`shared_applications`), where
     there is one outside, and the outer one back afterwards: for a map that JAX traces in a trace of
     its own (``jax.vmap``, ``lax.map``, ``jax.eval_shape``, ``jax.linear_transpose``,
-    ``jax.closure_convert``). What the map
-    makes there belongs to that trace, and an entry of the outer table would keep it alive after the
-    trace has ended (``jax_check_tracer_leaks`` reported most programs' Jacobians for it)."""
+    ``jax.closure_convert``). What the map makes there belongs to that trace, and an entry of the
+    outer table would keep it alive after the trace has ended (``jax_check_tracer_leaks`` reported
+    most programs' Jacobians for it)."""
     def run(*args):
         state = _APPLICATIONS
         outer = state.results
         state.results = None if outer is None else {}
+        state.nested += 1
         try:
             return f(*args)
         finally:
             state.results = outer
+            state.nested -= 1
 
     return run
+
+
+def _made_once(owner, name: str, make: Callable):
+    """``owner``'s ``name``, made by ``make()`` once and kept on ``owner``; but where it is first
+    needed while a map runs apart (:func:`apart`), what ``make`` builds (a transposition, a VJP)
+    closes over values of that nested trace: then it is kept in the nested table of applications,
+    which ends with the trace (a map replayed deep in a chain derived its callees' maps there)."""
+    made = owner.__dict__.get(name)
+    if made is not None:
+        return made
+    if _APPLICATIONS.nested:
+        return _kept((name, id(owner)), make, owner)
+    made = make()
+    object.__setattr__(owner, name, made)
+    return made
 
 
 def _once_per_argument(f: Optional[Callable], owner: Optional["Linear"] = None,
@@ -507,32 +525,28 @@ class Linear(Partial):
         """``t -> fn(t)`` (without scale), deriving it by transposition when only ``fn_t`` is known."""
         if self.fn is not None:
             return self.fn
-        derived = self.__dict__.get("derived_fn")  # kept, so that it too is applied once per argument
-        if derived is None:
-            transposed = jax.linear_transpose(apart(self.fn_t), self._out_struct())
-            takes = jax.eval_shape(apart(self.fn_t), self._out_struct()).dtype  # the dtype fn_t's cotangents have
-            try:
-                jax.eval_shape(transposed, jax.ShapeDtypeStruct(self.in_shape, takes))
-            except Exception:  # noqa: BLE001 - a VJP JAX cannot transpose (odeint's calls odeint): by rows
-                dense = replace(self, scale=None, has_scale=False).to_dense()
-                derived = _once_per_argument(
-                    lambda t: jnp.tensordot(dense, t, axes=len(self.in_shape), precision=HIGHEST))
-            else:
-                derived = _once_per_argument(lambda t: transposed(cast(t, takes))[0])
-            object.__setattr__(self, "derived_fn", derived)
-        return derived
+        return _made_once(self, "derived_fn", self._derived_fn)  # (kept: it too is applied once per argument)
+
+    def _derived_fn(self) -> Callable:
+        transposed = jax.linear_transpose(apart(self.fn_t), self._out_struct())
+        takes = jax.eval_shape(apart(self.fn_t), self._out_struct()).dtype  # the dtype fn_t's cotangents have
+        try:
+            jax.eval_shape(transposed, jax.ShapeDtypeStruct(self.in_shape, takes))
+        except Exception:  # noqa: BLE001 - a VJP JAX cannot transpose (odeint's calls odeint): by rows
+            dense = replace(self, scale=None, has_scale=False).to_dense()
+            return _once_per_argument(lambda t: jnp.tensordot(dense, t, axes=len(self.in_shape), precision=HIGHEST))
+        return _once_per_argument(lambda t: transposed(cast(t, takes))[0])
 
     def backward(self) -> Callable:
         """``c -> fn_t(c)`` (without scale), deriving it by transposition when only ``fn`` is known."""
         if self.fn_t is not None:
             return self.fn_t
-        derived = self.__dict__.get("derived_fn_t")
-        if derived is None:
-            transposed = jax.linear_transpose(apart(self.fn), self._in_struct())
-            gives = jax.eval_shape(apart(self.fn), self._in_struct()).dtype  # the dtype fn's tangents have
-            derived = _once_per_argument(lambda c: transposed(cast(c, gives))[0])
-            object.__setattr__(self, "derived_fn_t", derived)
-        return derived
+        return _made_once(self, "derived_fn_t", self._derived_fn_t)
+
+    def _derived_fn_t(self) -> Callable:
+        transposed = jax.linear_transpose(apart(self.fn), self._in_struct())
+        gives = jax.eval_shape(apart(self.fn), self._in_struct()).dtype  # the dtype fn's tangents have
+        return _once_per_argument(lambda c: transposed(cast(c, gives))[0])
 
     def apply(self, t):
         """``J(t)`` for one tangent."""
@@ -1417,15 +1431,17 @@ class JointPullback:
         self._make_vjp = make_vjp  # () -> vjp, called once, when first needed
         self._out_struct = out_struct  # the output's ShapeDtypeStruct
         self.total_in = total_in  # elements of all the differentiated inputs together
-        self._vjp = None
         self._usable = None
         self._memo = {}
+
+    def _vjp(self) -> Callable:
+        """``make_vjp()``, made once (:func:`_made_once`: in the trace it is first needed in)."""
+        return _made_once(self, "made_vjp", self._make_vjp)
 
     def usable(self) -> bool:
         if self._usable is None:
             try:
-                self._vjp = self._make_vjp()
-                jax.eval_shape(self._vjp, self._out_struct)  # JAX may linearize what it cannot transpose
+                jax.eval_shape(self._vjp(), self._out_struct)  # JAX may linearize what it cannot transpose
                 self._usable = True
             except Exception:  # noqa: BLE001 - no reverse rule: each partial's own forward map is used
                 self._usable = False
@@ -1435,9 +1451,11 @@ class JointPullback:
         """Cotangents of every input for the cotangents ``block`` (leading axis: rows) that came
         from ``source`` (this object itself for the identity rows of densifying); computed once per
         ``source``."""
+        if _APPLICATIONS.nested:  # (what it makes belongs to the nested trace: see _made_once)
+            return _kept(("pulled", id(self), id(source)), lambda: _vmapped(self._vjp(), block), self, source)
         key = id(source)
         if key not in self._memo:
-            self._memo[key] = (source, _vmapped(self._vjp, block))  # the source kept alive: its id stays its own
+            self._memo[key] = (source, _vmapped(self._vjp(), block))  # the source kept alive: its id stays its own
         return self._memo[key][1]
 
 

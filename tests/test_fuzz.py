@@ -219,6 +219,17 @@ def test_jacve_matches_jacrev_with_small_thresholds(seed):
         _expect_passed(*pg.check_seed_outcome(seed, CI_RANDOM_ORDERS, CI_MAX_OPS))
 
 
+@pytest.mark.parametrize("seed", [2012, 2051, 2161])
+def test_replayed_maps_keep_nothing_of_their_trace(seed):
+    """Programs of ``scripts/fuzz.py --small-thresholds --check-leaks`` (25 operations, 2 random orders)
+    in which a map replayed deep in a chain derived (transposed) its callees' maps in the replay's
+    trace and kept them on the callees: now kept in that trace's table of applications."""
+    import jax
+
+    with pg.small_thresholds(), jax.checking_leaks():
+        _expect_passed(*pg.check_seed_outcome(seed, 2, 25))
+
+
 # ------------------------------------------------------------------------------------------------
 # the checker itself must be able to fail
 
