@@ -59,9 +59,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import program_generator as pg  # noqa: E402
 
-#: the value of each setting of :func:`settings` that JAX starts with
-DEFAULTS = {"jax_numpy_dtype_promotion": "standard", "jax_numpy_rank_promotion": "allow",
-            "jax_check_tracer_leaks": False}
+#: each JAX setting of :func:`settings`: the flag that sets it, and the value JAX starts with
+OPTIONS = {"jax_numpy_dtype_promotion": ("--promotion", "standard"),
+           "jax_numpy_rank_promotion": ("--rank-promotion", "allow"),
+           "jax_check_tracer_leaks": ("--check-leaks", False)}
 
 
 def check(task):
@@ -133,7 +134,7 @@ def show(seed: int, max_ops: int, dtype: str, options: dict, small: bool = False
     print("# " + case.description().replace("\n", "\n# "))
     reproducer = case.reproducer()
     changed = "".join(f'jax.config.update("{name}", {_literal(value)})\n' for name, value in options.items()
-                      if value != DEFAULTS[name])
+                      if value != OPTIONS[name][1])
     if small:
         changed += "".join(f"import jaxtool.{name}\n" + "".join(f"jaxtool.{name}.{attribute} = {value}\n"
                                                           for attribute, value in values.items())
@@ -152,9 +153,9 @@ def main(argv=None) -> int:
              else list(range(args.start, args.start + args.count)))
     tasks = [(s, args.max_ops, args.random_orders, args.dtype) for s in seeds]
     flags = (f" --dtype {args.dtype}" if args.dtype != "float32" else "") + \
-        (" --promotion strict" if args.promotion == "strict" else "") + \
-        (" --rank-promotion raise" if args.rank_promotion == "raise" else "") + \
-        (" --check-leaks" if args.check_leaks else "") + (" --small-thresholds" if args.small_thresholds else "")
+        "".join(f" {OPTIONS[name][0]}" + ("" if value is True else f" {value}")
+                for name, value in settings(args).items() if value != OPTIONS[name][1]) + \
+        (" --small-thresholds" if args.small_thresholds else "")
     counts = {"passed": 0, "failed": 0, "rounding": 0, "skipped": 0}
     failed, rounding = [], []
     started = time.monotonic()

@@ -522,14 +522,14 @@ def test_fuzz_script_exits_1_and_names_failed_seeds(monkeypatch, capsys):
 
 @pytest.fixture
 def promotion_restored():
-    """The fuzz script sets JAX's settings (``fuzz.DEFAULTS``) and the engine's thresholds for its
+    """The fuzz script sets JAX's settings (``fuzz.OPTIONS``) and the engine's thresholds for its
     process: set them back afterwards."""
     import jax
 
     from jaxtool.jacobian import clear_caches
 
     fuzz = _fuzz_script()
-    previous, thresholds = {name: getattr(jax.config, name) for name in fuzz.DEFAULTS}, pg.thresholds()
+    previous, thresholds = {name: getattr(jax.config, name) for name in fuzz.OPTIONS}, pg.thresholds()
     yield
     for name, value in previous.items():
         jax.config.update(name, value)
