@@ -701,6 +701,8 @@ def _transposable(x: Linear) -> bool:
 def promoted(*dtypes) -> np.dtype:
     """The dtype JAX promotes ``dtypes`` to (float16 with bfloat16: float32, where NumPy has no
     common type and raised)."""
+    if all(d == dtypes[0] for d in dtypes[1:]):  # (the usual case, and JAX's promotion is dear to ask)
+        return np.dtype(dtypes[0])
     return np.dtype(functools.reduce(jnp.promote_types, dtypes))
 
 
@@ -1599,10 +1601,15 @@ def _window_take(x, window: tuple, axis: int, src_shape: tuple, dst_shape: tuple
 
 
 def _take_or_zero(x, index: np.ndarray, axis: int):
-    """``x`` taken at ``index`` along ``axis``, zero where ``index`` is -1."""
+    """``x`` taken at the NumPy ``index`` along ``axis``, zero where ``index`` is -1: slices and
+    zeros concatenated where ``index`` is at most :data:`MAX_RUNS` runs, else a ``gather`` and a
+    ``select``."""
     shape = x.shape[:axis] + index.shape + x.shape[axis + 1:]
     if not (index >= 0).any():
         return lax.full(shape, 0, x.dtype)
+    runs = _runs(index.reshape(-1), MAX_RUNS)
+    if runs is not None:
+        return reshaped(_concatenated_runs(x, runs, axis), shape)
     taken = _take(x, np.maximum(index, 0), axis)
     if (index >= 0).all():
         return taken
@@ -1611,8 +1618,9 @@ def _take_or_zero(x, index: np.ndarray, axis: int):
 
 def _take(x, index, axis: int):
     """``jnp.take(x, index, axis)`` for an ``index`` within range, by ``lax``: a strided slice where
-    a NumPy index is an increasing even run, else one ``gather`` (``jnp.take`` traces a nested jit
-    and wraps negative indices, several equations a Jacobian may need hundreds of times)."""
+    a NumPy index is an increasing even run, slices concatenated where it is at most
+    :data:`MAX_RUNS` runs, else one ``gather`` (``jnp.take`` traces a nested jit and wraps negative
+    indices, several equations a Jacobian may need hundreds of times)."""
     shape = x.shape[:axis] + index.shape + x.shape[axis + 1:]
     flat = index.reshape(-1) if isinstance(index, np.ndarray) else np.zeros(0, int)  # (traced: a gather)
     step = int(flat[1] - flat[0]) if len(flat) > 1 else 1
@@ -1621,10 +1629,59 @@ def _take(x, index, axis: int):
             return x
         run = lax.slice_in_dim(x, int(flat[0]), int(flat[-1]) + 1, step, axis)
         return reshaped(run, shape)
+    runs = _runs(flat, MAX_RUNS) if len(flat) else None
+    if runs is not None:
+        return reshaped(_concatenated_runs(x, runs, axis), shape)
     offset_dims = tuple(range(axis)) + tuple(range(axis + index.ndim, len(shape)))
     dims = lax.GatherDimensionNumbers(offset_dims=offset_dims, collapsed_slice_dims=(axis,), start_index_map=(axis,))
     return lax.gather(x, index.astype(np.int32)[..., None], dims, x.shape[:axis] + (1,) + x.shape[axis + 1:],
                       mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+#: a NumPy index of at most this many runs (:func:`_runs`) is taken as their slices concatenated,
+#: not as a ``gather`` (and its -1 as zeros, not a ``select``): XLA simplifies a slice of a
+#: concatenation, not of a gather, so a chain of small blocks (a stack of scalars, then their
+#: slices) stays one value each instead of being recomputed in every consumer
+MAX_RUNS = 8
+
+
+def _runs(flat: np.ndarray, limit: int) -> Optional[list]:
+    """The 1-D NumPy index ``flat`` (-1: zero) as runs ``(first, step, length)``: consecutive elements
+    (step 1), one element repeated (step 0), or zeros (``first`` -1, step 0); None where they are
+    more than ``limit``."""
+    steps = np.diff(flat)
+    if np.count_nonzero((steps != 0) & (steps != 1)) >= limit:  # (each such step starts a run)
+        return None
+    runs = []
+    for i in flat.tolist():
+        if runs:
+            first, step, length = runs[-1]
+            last = first + step * (length - 1)
+            if i == last and (step == 0 or length == 1):
+                runs[-1] = (first, 0, length + 1)
+                continue
+            if i >= 0 and first >= 0 and i == last + 1 and (step == 1 or length == 1):
+                runs[-1] = (first, 1, length + 1)
+                continue
+        runs.append((i, 1, 1))
+        if len(runs) > limit:
+            return None
+    return runs
+
+
+def _concatenated_runs(x, runs, axis: int):
+    """``x`` taken along ``axis`` at the :func:`_runs` ``runs``, as slices (and zeros) concatenated."""
+    pieces = []
+    for first, step, length in runs:
+        piece_shape = x.shape[:axis] + (length,) + x.shape[axis + 1:]
+        if first < 0:
+            pieces.append(lax.full(piece_shape, 0, x.dtype))
+        elif step == 1 or length == 1:
+            pieces.append(lax.slice_in_dim(x, first, first + length, 1, axis))
+        else:
+            one = lax.slice_in_dim(x, first, first + 1, 1, axis)
+            pieces.append(lax.broadcast_in_dim(one, piece_shape, tuple(range(x.ndim))))
+    return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, axis)
 
 
 def _broadcast_to(v, shape):
@@ -1667,9 +1724,12 @@ def _rows_at(a: Sparse, index, dtype):
     stored = a.val_shape[:nout]
     coords = _unravel(np.maximum(index, 0) if known else lax.max(index, np.int32(0)), a.out_shape)
     at = sum((c * math.prod(stored[k + 1:]) for k, c in enumerate(coords) if stored[k] > 1), 0 * index)
-    rows = _take(reshaped(cast(a.values(), dtype), (_size(stored),) + tuple(a.val_shape[nout:])), at, 0)
+    values = reshaped(cast(a.values(), dtype), (_size(stored),) + tuple(a.val_shape[nout:]))
+    if known:  # (zero rows written as such)
+        rows, keep = _take_or_zero(values, np.where(index >= 0, at, -1), 0), None
+    else:
+        rows, keep = _take(values, at, 0), (index >= 0).reshape((-1,) + (1,) * n_in)
     rows = reshaped(rows, (len(index),) + tuple(1 if j in paired else columns[j] for j in range(n_in)))
-    keep = None if known and (index >= 0).all() else (index >= 0).reshape((-1,) + (1,) * n_in)
     for j, k in paired.items():  # a paired input element is the row's own output coordinate
         axis = [1] * (1 + n_in)
         axis[1 + j] = a.in_shape[j]
@@ -1968,11 +2028,13 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
         return list(terms), None
     cut = np.full((count, n_out), -1)
     cut[rank, entry_rows] = entries % n_in
+    scaled = any(t.has_scale for t in terms) or len(entries) < len(term)
+    if any(t.abstract for t in terms):  # their plans (no maps made: a Markowitz order costs many)
+        return [Linear(out_shape, in_shape, np.dtype(dtype), has_scale=scaled, selection=True,
+                       index=cut[k].reshape(out_shape)) for k in range(count)], None
     parts = [selection_from_index(out_shape, in_shape, cut[k].reshape(out_shape), dtype) for k in range(count)]
-    if not any(t.has_scale for t in terms) and len(entries) == len(term):
-        return ([p.plan() for p in parts] if any(t.abstract for t in terms) else parts), None
-    if any(t.abstract for t in terms):
-        return [replace(p.plan(), has_scale=True) for p in parts], None
+    if not scaled:
+        return parts, None
     # each entry's scale into its place (rank, row) of the stacked scales of the new selections
     place = rank[slot.reshape(-1)] * n_out + row
     scales = _concatenated_scales(terms, dtype) if scales_of_terms is None else cast(scales_of_terms(), dtype)
