@@ -40,6 +40,7 @@ import contextlib
 import functools
 import math
 import threading
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -1404,9 +1405,17 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
     if a.selection:
         if a.has_scale:
             block = block * jnp.broadcast_to(a.scale, a.out_shape).astype(dtype)
+        index = _index_of(a)
         pulled = _scatter_columns(block.reshape(n_rows, _size(a.out_shape)).astype(dtype),
-                                  reshaped(_index_of(a), (_size(a.out_shape),)), _size(a.in_shape),
+                                  reshaped(index, (_size(a.out_shape),)), _size(a.in_shape),
                                   (a.out_shape, a.in_shape))
+        if isinstance(index, np.ndarray):
+            hit = np.zeros(_size(a.in_shape), bool)
+            hit[index[index >= 0]] = True
+            if not hit.all():
+                val = cast(reshaped(pulled, val_shape), dtype)
+                _mark_zero_off(val, len(row_shape), hit.reshape(a.in_shape))
+                return replace(result, val=val), cost
     elif a._joint() is not None:  # the same rows pulled back through all inputs of a's equation at once
         pulled = _joint_rows(a.joint, b, cast(block, a.dtype))
     elif _transposable(a):
@@ -1782,10 +1791,13 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
     if b.abstract or a.abstract:
         return result, cost
     if b.selection:
-        val = reshaped(_rows_at(a, reshaped(_index_of(b), (_size(b.out_shape),)), dtype), val_shape)
+        index = _index_of(b)
+        val = cast(reshaped(_rows_at(a, reshaped(index, (_size(b.out_shape),)), dtype), val_shape), dtype)
         if b.has_scale:
             val = val * reshaped(jnp.broadcast_to(b.scale, b.out_shape), tuple(b.out_shape) + (1,) * len(col_shape))
-        return replace(result, val=cast(val, dtype)), cost
+        elif isinstance(index, np.ndarray) and (index < 0).any():
+            _mark_zero_off(val, 0, index.reshape(b.out_shape) >= 0)
+        return replace(result, val=val), cost
     block = jnp.broadcast_to(a.unpair(range(nv)).values(), tuple(a.out_shape) + tuple(col_shape))
     block = jnp.moveaxis(block.reshape(tuple(a.out_shape) + (n_cols,)), -1, 0)
     pushed = _vmapped(b.apply, cast(block, b.dtype))  # (n_cols,) + w
@@ -1836,7 +1848,54 @@ def _sparse_add(x: Sparse, y: Sparse) -> tuple[Sparse, Cost]:
     live = None  # (exact zeros where neither term is live)
     if x.live is not None and y.live is not None:
         live = _broadcast_to(_broadcasting(lax.bitwise_or, x.live, y.live), result.val_shape)
+    if x.live is None and y.live is None:
+        merged = _disjoint_sum(xv, yv)
+        if merged is not None:
+            return replace(result, val=merged), cost
     return replace(result, val=_broadcasting(lax.add, xv, yv), live=live), cost
+
+
+#: arrays known while tracing to be exactly zero off a block of their axes: id -> (weak reference to the
+#: array, first axis of the block, booleans of the block's shape, False where the array is zero)
+_ZERO_OFF: dict = {}
+
+
+def _mark_zero_off(v, start: int, live: np.ndarray) -> None:
+    """Record that the traced ``v`` is exactly zero wherever the NumPy booleans ``live``, laid over
+    ``v``'s axes from ``start`` on (rows: 0; columns of a partial's values: its number of output
+    axes), are False: rows of a selection that selects nothing there, columns scattered to nowhere."""
+    key = id(v)
+    _ZERO_OFF[key] = (weakref.ref(v, lambda _, key=key: _ZERO_OFF.pop(key, None)), start, live)
+
+
+def _zero_off(v) -> Optional[tuple]:
+    """``(start, live)`` as :func:`_mark_zero_off` recorded them for ``v``, or None."""
+    entry = _ZERO_OFF.get(id(v))
+    if entry is None or entry[0]() is not v:
+        return None
+    return entry[1:]
+
+
+def _disjoint_sum(x, y):
+    """``x + y`` without an addition where no element is non-zero in both (:func:`_mark_zero_off`,
+    along the same axes): the blocks of each concatenated, so that the rows of a stack of scalars,
+    each made by its own product, become one array as ``jnp.stack`` makes it, not a sum of padded
+    blocks; None where that is not known or takes more than :data:`MAX_RUNS` slices."""
+    xz, yz = _zero_off(x), _zero_off(y)
+    if xz is None or yz is None or x.shape != y.shape or xz[0] != yz[0] or xz[1].shape != yz[1].shape:
+        return None
+    (start, x_live), (_, y_live) = xz, yz
+    n = x_live.size
+    if not n or x_live.shape != x.shape[start:start + x_live.ndim] or (x_live & y_live).any():
+        return None
+    source = np.where(x_live.reshape(-1), np.arange(n), np.where(y_live.reshape(-1), n + np.arange(n), -1))
+    runs = _runs(source, MAX_RUNS)
+    if runs is None:
+        return None
+    flat = lambda v: reshaped(v, (_size(v.shape[:start]), n, _size(v.shape[start + x_live.ndim:])))  # noqa: E731
+    total = reshaped(_concatenated_runs(lax.concatenate([flat(x), flat(y)], 1), runs, 1), x.shape)
+    _mark_zero_off(total, start, x_live | y_live)
+    return total
 
 
 @functools.lru_cache(maxsize=1 << 16)
