@@ -408,6 +408,11 @@ def _kept(key, make: Callable, *alive):
     return results[key][0]
 
 
+def _times(x, val):
+    """``x * val``, or ``x`` where ``val`` is None (a unit partial's)."""
+    return x if val is None else x * val
+
+
 def _scaled(x, scale):
     """``x * scale``, the same array for the same two operands while results are kept: the terms of a
     sum that share their outer map share its scale too, and so its application to the product."""
@@ -570,8 +575,9 @@ class Linear(Partial):
         return cast(_zero_unless(one_hot, cast(scale, self.dtype)), self.dtype)
 
     def _joint(self):
-        """``(pullbacks, terms)`` where one VJP of the whole equation can stand for this partial's."""
-        if self.joint is None or self.has_scale or self.fn is None or not self.joint[0].usable():
+        """``(pullbacks, terms)`` where one VJP of the whole equation can stand for this partial's (its
+        scale, if any, applied to the cotangents first: :func:`_joint_rows`)."""
+        if self.joint is None or self.fn is None or not self.joint[0].usable():
             return None
         return self.joint
 
@@ -590,7 +596,8 @@ class Linear(Partial):
         n_in, n_out = _size(self.in_shape), _size(self.out_shape)
         if self.joint is not None and n_out < self.joint[0].total_in and self._joint() is not None:
             # rows of all of the equation's blocks at once
-            rows = _joint_rows(self.joint, None, jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape))
+            rows = _joint_rows(self.joint, None, jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape),
+                               self.scale if self.has_scale else None)
             return rows.reshape(self.shape)
         if self.parts or self.selection:
             parts = self.parts or (self,)
@@ -1382,12 +1389,19 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         a.forward()  # (derived here, in the trace a was made in, where only fn_t is known)
         fn = lambda t: tr(a.forward()(t))  # noqa: E731
         fn_t = (lambda c: a.backward()(untr(c))) if _transposable(a) else None
-        scale = tr(jnp.broadcast_to(a.scale, a.out_shape)) if a.has_scale else None
-        if not b.unit:
-            scale = b.val if scale is None else scale * b.val
-        calls = ((a, None, None if b.pairs == tuple(range(len(b.pairs))) else object()),)
+        scale = None
+        if a.has_scale:  # (one array for each scale and b: the partials of one equation's inputs share it)
+            scale = _kept(("scale after", id(a.scale), id(b.val), b.pairs),
+                          lambda: _times(tr(jnp.broadcast_to(a.scale, a.out_shape)), b.val), a.scale, b.val)
+        elif not b.unit:
+            scale = b.val
+        in_order = b.pairs == tuple(range(len(b.pairs)))
+        calls = ((a, None, None if in_order else object()),)
+        joint = a.joint  # (the same map, scaled and transposed: the equation's VJP still serves)
+        if joint is not None and not in_order:
+            joint = (joint[0].transposed(b.pairs), joint[1])
         return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
-                                              calls=calls)), cost
+                                              calls=calls, joint=joint)), cost
     # general: rows of b (dense over v) pulled back through a^T
     nw = len(b.out_shape)
     row_shape = b.dense_val_shape[:nw]
@@ -1417,7 +1431,7 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
                 _mark_zero_off(val, len(row_shape), hit.reshape(a.in_shape))
                 return replace(result, val=val), cost
     elif a._joint() is not None:  # the same rows pulled back through all inputs of a's equation at once
-        pulled = _joint_rows(a.joint, b, cast(block, a.dtype))
+        pulled = _joint_rows(a.joint, b, cast(block, a.dtype), a.scale if a.has_scale else None)
     elif _transposable(a):
         pulled = _vmapped(a.apply_t, cast(block, a.dtype))
     else:  # JAX cannot transpose a (a while loop's JVP): the rows times a densified by columns
@@ -1444,6 +1458,7 @@ class JointPullback:
         self.total_in = total_in  # elements of all the differentiated inputs together
         self._usable = None
         self._memo = {}
+        self._transposed = {}
 
     def _vjp(self) -> Callable:
         """``make_vjp()``, made once (:func:`_made_once`: in the trace it is first needed in)."""
@@ -1458,24 +1473,61 @@ class JointPullback:
                 self._usable = False
         return self._usable
 
-    def pull(self, source, block) -> tuple:
+    def pull(self, source, block, scale=None, pairs: Optional[tuple] = None) -> tuple:
         """Cotangents of every input for the cotangents ``block`` (leading axis: rows) that came
-        from ``source`` (this object itself for the identity rows of densifying); computed once per
-        ``source``."""
+        from ``source`` (this object itself for the identity rows of densifying), each times ``scale``
+        first where given, then laid out as the output's (:func:`_untransposer`) where they are
+        of its transpose by ``pairs``; computed once per ``source``, ``scale`` and ``pairs``."""
+        def pulled():
+            c = block if scale is None else block * cast(scale, block.dtype)
+            if pairs is not None:
+                c = jnp.transpose(c, (0,) + tuple(1 + int(i) for i in np.argsort(pairs)))
+            return _vmapped(self._vjp(), cast(c, self._out_struct.dtype))  # (a bfloat16 output's: bfloat16)
+
         if _APPLICATIONS.nested:  # (what it makes belongs to the nested trace: see _made_once)
-            return _kept(("pulled", id(self), id(source)), lambda: _vmapped(self._vjp(), block), self, source)
-        key = id(source)
+            return _kept(("pulled", id(self), id(source), id(scale), pairs), pulled, self, source, scale)
+        key = (id(source), id(scale), pairs)
         if key not in self._memo:
-            self._memo[key] = (source, _vmapped(self._vjp(), block))  # the source kept alive: its id stays its own
-        return self._memo[key][1]
+            self._memo[key] = (source, scale, pulled())  # (kept alive: their ids stay their own)
+        return self._memo[key][2]
+
+    def transposed(self, pairs: tuple):
+        """This VJP for cotangents of the output transposed by ``pairs`` (one object per ``pairs``)."""
+        pairs = tuple(int(p) for p in pairs)
+        if pairs == tuple(range(len(pairs))):
+            return self
+        if pairs not in self._transposed:
+            self._transposed[pairs] = _TransposedPullback(self, pairs)
+        return self._transposed[pairs]
 
 
-def _joint_rows(joint: tuple, source, block):
+class _TransposedPullback:
+    """A :class:`JointPullback` whose output cotangents come transposed by ``pairs`` (``tanh`` of the
+    transpose of an opaque equation's result): :meth:`pull` lays them out as the output's first."""
+
+    def __init__(self, inner: JointPullback, pairs: tuple):
+        self.inner, self.pairs, self.total_in = inner, pairs, inner.total_in
+
+    def usable(self) -> bool:
+        return self.inner.usable()
+
+    def pull(self, source, block, scale=None) -> tuple:
+        return self.inner.pull(source, block, scale, self.pairs)
+
+    def transposed(self, pairs: tuple):
+        """For cotangents transposed by ``pairs`` once more: the inner VJP's, both transposes in one."""
+        inverse = np.argsort(self.pairs)[np.argsort(pairs)]  # (cotangent axes: undo pairs, then self.pairs)
+        return self.inner.transposed(tuple(np.argsort(inverse)))
+
+
+def _joint_rows(joint: tuple, source, block, scale=None):
     """The cotangents ``block`` (leading axis: rows, from ``source``: see :meth:`JointPullback.pull`;
-    None: the identity rows of densifying) pulled back through a partial with this ``joint``: the
-    equation's one VJP, each term's input's cotangents mapped on by its ``after``, summed."""
+    None: the identity rows of densifying) pulled back through a partial with this ``joint`` and
+    ``scale`` (None: none): the equation's one VJP of the scaled rows, each term's input's
+    cotangents mapped on by its ``after``, summed. The partials of one equation's inputs scaled
+    alike (``tanh(solve(a, b))`` in reverse order: ``tanh'`` on both) share that VJP."""
     pullbacks, terms = joint
-    pulled = pullbacks.pull(pullbacks if source is None else source, block)
+    pulled = pullbacks.pull(pullbacks if source is None else source, block, scale)
     total = None
     for i, after in terms:
         rows = pulled[i] if after is None else _vmapped(after, pulled[i])
@@ -1484,10 +1536,10 @@ def _joint_rows(joint: tuple, source, block):
 
 
 def _joint_after(b: Linear, a_t: Callable) -> Optional[tuple]:
-    """The joint of ``b o a`` for an opaque partial ``b`` with a joint (:attr:`Linear.joint`, no scale)
-    after a linear map ``a`` whose transpose is ``a_t``: the same VJP, each term's cotangents then
-    mapped through ``a_t``; None where ``b`` has none."""
-    if b.joint is None or b.has_scale:
+    """The joint of ``b o a`` for an opaque partial ``b`` with a joint (:attr:`Linear.joint`; ``b``'s scale
+    stays the product's) after a linear map ``a`` whose transpose is ``a_t``: the same VJP, each
+    term's cotangents then mapped through ``a_t``; None where ``b`` has none."""
+    if b.joint is None:
         return None
     pullbacks, terms = b.joint
     return pullbacks, tuple((i, a_t if after is None else (lambda c, after=after: a_t(after(c)))) for i, after in terms)
