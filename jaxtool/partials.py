@@ -1516,7 +1516,7 @@ class _TransposedPullback:
 
     def transposed(self, pairs: tuple):
         """For cotangents transposed by ``pairs`` once more: the inner VJP's, both transposes in one."""
-        inverse = np.argsort(self.pairs)[np.argsort(pairs)]  # (cotangent axes: undo pairs, then self.pairs)
+        inverse = np.argsort(pairs)[np.argsort(self.pairs)]  # (undo pairs, then self.pairs: the axes composed)
         return self.inner.transposed(tuple(np.argsort(inverse)))
 
 
