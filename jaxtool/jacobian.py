@@ -15,8 +15,8 @@ from jaxtool._compat import weakly_typed
 from jaxtool.elimination import Problem, blocks, build, run
 from jaxtool.graph import flatten
 from jaxtool.orders import parse_order, resolve_order, vertex_numbers
-from jaxtool.partials import clear_plan_caches
-from jaxtool.rules import custom_rule, leaked_rule_error
+from jaxtool.partials import clear_plan_caches, written_out_forms
+from jaxtool.rules import custom_rule, leaked_rule_error, writes_out_safely
 from jaxtool.sharing import call_sharing, of_scalars, reads_dear
 
 
@@ -182,7 +182,7 @@ class _StagedJacobian:
         """:meth:`parts` of the function as :meth:`trace` traced it."""
         program, values, wrt, dyn_tree, out_tree, aux_tree, static = traced
         self.custom_rule = custom_rule(program)  # (for the error of a rule that leaks a tracer, see __call__)
-        with _engine_promotion():
+        with _engine_promotion(), written_out_forms(writes_out_safely(program)):
             problem = build(program, values, wrt)
             run(problem, resolve_order(self.order, problem))
             jacobian = blocks(problem)

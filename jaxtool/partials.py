@@ -1028,14 +1028,36 @@ UNROLLED_SUM = 4
 POINT_SUM = 8
 
 
+class _WrittenOut(threading.local):
+    """Per thread: whether the program being differentiated may have written-out forms at all."""
+
+    allowed: bool = True
+
+
+_WRITTEN_OUT = _WrittenOut()
+
+
+@contextlib.contextmanager
+def written_out_forms(allowed: bool):
+    """Within: :func:`fuses_small_products` is False unless ``allowed`` (see
+    :func:`jaxtool.rules.writes_out_safely`)."""
+    state, before = _WRITTEN_OUT, _WRITTEN_OUT.allowed
+    state.allowed = allowed
+    try:
+        yield
+    finally:
+        state.allowed = before
+
+
 def fuses_small_products() -> bool:
     """Whether small contractions and sums are written out as above (:data:`SMALL_CONTRACTION`,
     :data:`UNROLLED_SUM`, :data:`POINT_SUM`): for JAX's default backend XLA:CPU only. Elsewhere every
     contraction is a ``dot_general`` and every sum a ``reduce_sum``: XLA:GPU's priority fusion takes
     minutes over the written-out forms. On an H200 (JAX 0.11.2) the encoder's rev-order Jacobian
     compiled in 60 s with them, 51.8 s of it in priority fusion, and in 1.05 s without (``jax.jacrev``'s:
-    0.89 s); its fwd order did not compile in 75 s with them, and did in 3.5 s without."""
-    return jax.default_backend() == "cpu"
+    0.89 s); its fwd order did not compile in 75 s with them, and did in 3.5 s without. Nor where a
+    program mixes FFTs with LAPACK calls (:func:`written_out_forms`)."""
+    return _WRITTEN_OUT.allowed and jax.default_backend() == "cpu"
 
 
 def _wide_float(dtype) -> bool:

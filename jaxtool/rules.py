@@ -934,6 +934,31 @@ def _require_linear(eqn, fn_t, out_struct) -> None:
             primitive=eqn.name, location=eqn.location()) from error
 
 
+#: primitives XLA:CPU runs as LAPACK calls, which ask for column-major operands
+LAPACK = frozenset({"cholesky", "triangular_solve", "lu", "eigh", "eig", "svd", "qr", "geqrf", "householder_product",
+                    "schur", "hessenberg", "tridiagonal", "tridiagonal_solve"})
+
+
+def writes_out_safely(program) -> bool:
+    """Whether the written-out forms of small sums and products (:func:`jaxtool.partials.fuses_small_products`)
+    may serve in the Jacobian of ``program``: not where it has both an ``fft`` and a :data:`LAPACK`
+    call. XLA:CPU (jaxlib 0.10.2) lays the operand of an FFT out as a LAPACK call asks for its own
+    where slices and elementwise operations link the two, as a sum written out as slices does, and
+    then stops at run time (``RET_CHECK failure ... fft_thunk.cc:168 IsMonotonicWithDim0Major``);
+    ``jax.jit`` of such a sum written by hand (``real(ifft(fft(x)))``'s slices added, then a
+    ``cholesky``) stops alike. A ``reduce_sum`` or ``dot`` between them is laid out on its own."""
+    names = set()
+
+    def collect(eqns):
+        for e in eqns:
+            names.add(e.primitive.name)
+            for _, _, sub in subjaxprs(e.params):
+                collect(sub.eqns)
+
+    collect(program.eqns)
+    return "fft" not in names or not names & LAPACK
+
+
 def contains(jaxpr, primitive) -> bool:
     """Whether ``jaxpr``, or a jaxpr nested in it, has an equation of ``primitive``."""
     return any(e.primitive is primitive or any(contains(sub, primitive) for _, _, sub in subjaxprs(e.params))

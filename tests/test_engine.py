@@ -1201,6 +1201,21 @@ def test_opaque_partials_scaled_and_transposed_alike_share_one_vjp():
                 _triangular_solves(jax.jacrev(fun, argnums=(0, 1)), args), order
 
 
+def test_ffts_and_lapack_calls_in_one_program_run():
+    # a sum written out as slices linked an FFT to a cholesky's LAPACK call, and XLA:CPU gave the
+    # FFT's operand the call's column-major layout, then stopped at run time (RET_CHECK in
+    # fft_thunk.cc; fuzz seed 121722); such programs keep reduce_sum and dot_general
+    def program(x):
+        y = jnp.real(jnp.fft.ifft(jnp.fft.fft(x) * jnp.conj(jnp.fft.fft(jnp.sin(x)))))
+        return jnp.linalg.cholesky((1.0 + jnp.tanh(jax.nn.logsumexp(y, keepdims=True))) ** 2)
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 2)), jnp.float32)
+    want = jax.jacrev(program)(x)
+    for order in ("fwd", "rev", "markowitz"):
+        assert_same_jacobian(jax.jit(jaxtool.jacve(program, order))(x), want, rtol=1e-4, atol=1e-5)
+        assert_same_jacobian(jaxtool.jacve(program, order)(x), want, rtol=1e-4, atol=1e-5)
+
+
 def test_transposes_after_an_opaque_equation_compose():
     # the rows of a cond's 3-D result, transposed three times, scaled by tanh' and 1.5 on the way:
     # the one VJP takes them laid out as the cond's result (the transposes composed)
