@@ -76,8 +76,9 @@ class EdgeGraph:
                 g.add_edge(u, v, p.plan())
         return g
 
-    def elimination_cost(self, v: int, memo: dict | None = None) -> Cost:
-        """What eliminating ``v`` now would cost (products and the sums they cause).
+    def elimination_cost(self, v: int, memo: dict | None = None, sums: bool = True) -> Cost:
+        """What eliminating ``v`` now would cost (products and, with ``sums``, the sums they cause:
+        additions only, so the multiplications are the same without).
 
         ``memo``, a dict kept across calls on one plan graph, remembers each product and sum by its
         operands, which are immutable (the ones an elimination leaves in place are costed once)."""
@@ -86,7 +87,7 @@ class EdgeGraph:
             for w, b in self.succs.get(v, {}).items():
                 c, cost = _remembered(memo, matmul, b.plan(), a.plan())
                 total += cost
-                old = self.preds.get(w, {}).get(u)
+                old = self.preds.get(w, {}).get(u) if sums else None
                 if old is not None:
                     total += _remembered(memo, add, old.plan(), c)[1]
         return total

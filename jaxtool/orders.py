@@ -44,7 +44,7 @@ def markowitz(problem) -> list:
     graph = problem.graph.plan()
     remaining = set(problem.eliminable)
     memo: dict = {}
-    costs = {v: graph.elimination_cost(v, memo).mults for v in remaining}
+    costs = {v: graph.elimination_cost(v, memo, sums=False).mults for v in remaining}  # (sums cost no mults)
     order = []
     while remaining:
         v = min(remaining, key=lambda u: (costs[u], u))
@@ -53,7 +53,7 @@ def markowitz(problem) -> list:
         remaining.discard(v)
         order.append(v)
         for u in touched & remaining:
-            costs[u] = graph.elimination_cost(u, memo).mults
+            costs[u] = graph.elimination_cost(u, memo, sums=False).mults
     return order
 
 
