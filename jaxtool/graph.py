@@ -239,8 +239,10 @@ def evaluate(program: FlatProgram, args) -> dict:
     for eqn in program.eqns:
         invals = [read(a, args, values) for a in eqn.invars]
         outs = _in_numpy(program, eqn, invals, known)
-        if outs is None and eqn.name in PRIMAL_RULES:
-            outs = (PRIMAL_RULES[eqn.name](*invals, **eqn.params),)
+        if outs is None and eqn.name in PRIMAL_RULES and eqn.placed is None:
+            outs = PRIMAL_RULES[eqn.name](*invals, **eqn.params)
+            if not eqn.primitive.multiple_results:
+                outs = (outs,)
         elif outs is None and eqn.primitive is P.custom_vjp_call_p:
             outs = _custom_vjp_primal(eqn, invals)
         elif outs is None:
@@ -303,9 +305,10 @@ def _np_broadcast_in_dim(x, *, shape, broadcast_dimensions, **_):
 
 
 #: primitives that :func:`evaluate` computes otherwise than by ``bind`` (name -> function of the
-#: input values and the equation's params, returning its one result): a small matrix product is
-#: a fused multiply-and-sum on XLA:CPU, cheaper there than a library call (see ``partials.SMALL_CONTRACTION``),
-#: and a small sum a sum of slices at a point (``partials.POINT_SUM``)
+#: input values and the equation's params, returning its result, or its list of results): a small
+#: matrix product is a fused multiply-and-sum on XLA:CPU, cheaper there than a library call (see
+#: ``partials.SMALL_CONTRACTION``), a small sum a sum of slices at a point (``partials.POINT_SUM``);
+#: ``jaxtool.rules`` adds ``sort``, which also makes the permutation its partials read
 PRIMAL_RULES = {"dot_general": partials.dot_general, "reduce_sum": partials.reduce_sum}
 
 #: NumPy forms of integer and boolean primitives, for values computed from constants (see :func:`evaluate`)

@@ -16,6 +16,7 @@ and reported as opaque by the counters. Equations that read or make complex valu
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -27,7 +28,7 @@ from jax.extend.core import primitives as P
 
 from jaxtool._compat import split_p, stack_p, unstack_p
 from jaxtool.errors import UnsupportedError
-from jaxtool.graph import NUMPY_RULES, FlatEqn, bind
+from jaxtool.graph import NUMPY_RULES, PRIMAL_RULES, FlatEqn, bind
 from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, apart, cast, promoted, reshaped,
                               selection_from_index, sum_of_selections)
 from jaxtool.printing import subjaxprs
@@ -476,8 +477,32 @@ def _linear_by_bind(eqn, invals, outvals, i, k):
         return out[k] if eqn.primitive.multiple_results else out
 
     y = outvals[k]
+    index = _selection_index(eqn, invals, i, k)
+    traced = None if index is not None else _traced_selection_index(eqn, invals, i, k)
     return Linear(_shape(y), _shape(invals[i]), np.dtype(jax.typeof(y).dtype), fn=fn, selection=True,
-                  index=_selection_index(eqn, invals, i, k))
+                  index=index, traced_index=traced)
+
+
+def _traced_selection_index(eqn, invals, i, k):
+    """Where :func:`_selection_index` is not known while tracing (indices computed from values): a
+    function that computes it at run time, by the primitive run on int32 element numbers 1, 2, ...
+    (the other floating-point operands zero; anything not positive, out of bounds filled: -1)."""
+    shape = _shape(invals[i])
+    kinds = [jax.typeof(x).dtype for x in invals]
+    if int(np.prod(shape)) >= np.iinfo(np.int32).max or not is_differentiable(jax.typeof(invals[i])) or not all(
+            jnp.issubdtype(d, jnp.floating) or jnp.issubdtype(d, jnp.integer) or d == bool for d in kinds):
+        return None
+    params = eqn.primitive.get_bind_params(_zero_fill(eqn.params))
+
+    def index():
+        numbers = jnp.reshape(jax.lax.iota(np.int32, int(np.prod(shape))) + np.int32(1), shape)
+        args = [numbers if j == i else (jnp.zeros(jnp.shape(x), np.int32) if is_differentiable(jax.typeof(x)) else x)
+                for j, x in enumerate(invals)]
+        out = eqn.primitive.bind(*args, **params)
+        out = out[k] if eqn.primitive.multiple_results else out
+        return jnp.where(out > 0, out - np.int32(1), np.int32(-1))
+
+    return index
 
 
 def _selection_index(eqn, invals, i, k):
@@ -716,9 +741,56 @@ def selection(eqn, invals, outvals, wrt):
 
 @register(P.sort_p)
 def sort(eqn, invals, outvals, wrt):
-    """Each operand is permuted by the keys' sorting permutation; keys carry no derivative of it."""
-    return [(i, i, _linear_from_jvp(eqn, invals, outvals, i, i, selection=True, flops=0, opaque=False))
+    """Each operand is permuted by the keys' sorting permutation; keys carry no derivative of it.
+    Where the primal sort kept its permutation (:func:`_sort_keeping_permutation`), the partials read
+    it: a gather forward, its flat indices for products and densification; else JAX's JVP of the sort."""
+    permutation = _kept_permutation(outvals[0])
+    return [(i, i, _linear_from_jvp(eqn, invals, outvals, i, i, selection=True, flops=0, opaque=False)
+             if permutation is None else _permuted(outvals[i], permutation, eqn.params["dimension"]))
             for i in wrt if is_differentiable(jax.typeof(outvals[i]))]
+
+
+#: per result of a primal sort, by id (weakly): its permutation (:func:`_sort_keeping_permutation`)
+_PERMUTATIONS: dict = {}
+
+
+def _sort_keeping_permutation(*operands, dimension, is_stable, num_keys):
+    """The primal ``sort`` with the positions along ``dimension`` sorted along as one more operand:
+    its results, each remembered with that permutation, so that the partials take it from the same
+    sort (``jax.jacrev`` sorts once too) instead of sorting again and decoding where each element went."""
+    positions = jax.lax.broadcasted_iota(np.int32, jnp.shape(operands[0]), dimension)
+    *results, permutation = jax.lax.sort_p.bind(*operands, positions, dimension=dimension, is_stable=is_stable,
+                                            num_keys=num_keys)
+    for y in results:
+        key = id(y)
+        _PERMUTATIONS[key] = (weakref.ref(y, lambda _, key=key: _PERMUTATIONS.pop(key, None)), permutation)
+    return results
+
+
+PRIMAL_RULES["sort"] = _sort_keeping_permutation
+
+
+def _kept_permutation(y):
+    entry = _PERMUTATIONS.get(id(y))
+    return None if entry is None or entry[0]() is not y else entry[1]
+
+
+def _permuted(y, permutation, dimension):
+    """The partial of a sort's result ``y`` on its operand: element ``o`` is the operand's element at
+    ``o`` with its position along ``dimension`` replaced by ``permutation[o]``."""
+    shape = _shape(y)
+    strides = np.cumprod((1,) + shape[:0:-1])[::-1]
+
+    def flat_index():
+        index = permutation * np.int32(strides[dimension])
+        for axis, stride in enumerate(strides):
+            if axis != dimension and shape[axis] > 1:
+                index = index + jax.lax.broadcasted_iota(np.int32, shape, axis) * np.int32(stride)
+        return index
+
+    return Linear(shape, shape, np.dtype(jax.typeof(y).dtype),
+                  fn=lambda t: jnp.take_along_axis(t, permutation, dimension, mode="promise_in_bounds"),
+                  selection=True, traced_index=flat_index)
 
 
 @register(P.scatter_add_p)
@@ -1038,7 +1110,8 @@ def _on_pairs(partial):
         index = np.where(index[..., None] >= 0, 2 * index[..., None] + np.arange(2), -1)
     scale = None if partial.scale is None else jnp.expand_dims(partial.scale, -1)
     return replace(partial, out_shape=out_shape, in_shape=in_shape, fn=per_part(partial.fn),
-                   fn_t=per_part(partial.fn_t), scale=scale, flops=2 * partial.flops, index=index, joint=None)
+                   fn_t=per_part(partial.fn_t), scale=scale, flops=2 * partial.flops, index=index, joint=None,
+                   traced_index=None)
 
 
 def _complex_elementwise(eqn, invals, outvals, wrt):

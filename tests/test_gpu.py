@@ -15,10 +15,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: jacve in every order against jax.jacrev on the GPU, for a program of scalars and one of matrices
-#: (perceptron: the engine's contractions run at HIGHEST precision, so float32 tolerances hold where
-#: the GPU would multiply float32 matrices in TF32). Not the encoder: on an H200 with JAX 0.11.2 its
-#: ``fwd`` Jacobian did not lower, compile and run within 75 s (``jax.jacfwd``'s compiled in 1.6 s).
+#: jacve in every order against jax.jacrev on the GPU, for a program of scalars and two of matrices
+#: (the engine's contractions run at HIGHEST precision, so float32 tolerances hold where the GPU would
+#: multiply float32 matrices in TF32). The encoder is the one whose ``fwd`` Jacobian once did not
+#: compile within 75 s there (XLA:GPU over the written-out forms, which are now for XLA:CPU only).
 API_SCRIPT = """
 import sys
 import jax, numpy as np
@@ -26,9 +26,12 @@ import jaxtool
 sys.path.insert(0, "sample_programs")
 from perceptron import perceptron, perceptron_example_args
 from roe_flux_3d import roe_flux_3d, roe_flux_3d_example_args
+from encoder import encoder, encoder_example_args
 
 gpu = jax.devices("gpu")[0]
-for fn, args in ((roe_flux_3d, roe_flux_3d_example_args()), (perceptron, perceptron_example_args())):
+programs = ((roe_flux_3d, roe_flux_3d_example_args()), (perceptron, perceptron_example_args()),
+            (encoder, encoder_example_args()))
+for fn, args in programs:
     args = jax.device_put(args, gpu)
     argnums = tuple(range(len(args)))
     with jax.default_matmul_precision("highest"):
