@@ -759,8 +759,8 @@ def _sort_keeping_permutation(*operands, dimension, is_stable, num_keys):
     its results, each remembered with that permutation, so that the partials take it from the same
     sort (``jax.jacrev`` sorts once too) instead of sorting again and decoding where each element went."""
     positions = jax.lax.broadcasted_iota(np.int32, jnp.shape(operands[0]), dimension)
-    *results, permutation = jax.lax.sort_p.bind(*operands, positions, dimension=dimension, is_stable=is_stable,
-                                            num_keys=num_keys)
+    *results, permutation = jax.lax.sort_p.bind(*operands, positions, dimension=dimension,
+                                                is_stable=is_stable, num_keys=num_keys)
     for y in results:
         key = id(y)
         _PERMUTATIONS[key] = (weakref.ref(y, lambda _, key=key: _PERMUTATIONS.pop(key, None)), permutation)
@@ -771,6 +771,7 @@ PRIMAL_RULES["sort"] = _sort_keeping_permutation
 
 
 def _kept_permutation(y):
+    """The permutation :func:`_sort_keeping_permutation` made ``y`` with, or None."""
     entry = _PERMUTATIONS.get(id(y))
     return None if entry is None or entry[0]() is not y else entry[1]
 

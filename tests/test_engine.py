@@ -2566,8 +2566,9 @@ def test_sorts_and_value_indexed_selections_find_their_indices_without_bit_plane
     args = tuple(jnp.asarray(a, jnp.float32) for a in args)
     argnums = tuple(range(len(args)))
     want = jax.jacrev(program, argnums)(*args)
-    assert_orders_match(program, args, argnums, want, lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 3, seed=6),
-                        rtol=1e-5, atol=1e-6, staged=True)
+    assert_orders_match(program, args, argnums, want,
+                        lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 3, seed=6), rtol=1e-5, atol=1e-6,
+                        staged=True)
     for order in ("fwd", "rev", "markowitz"):
         equations = list(_equations(jax.make_jaxpr(jaxtool.jacve(program, order, argnums))(*args).jaxpr))
         assert not [e for e in equations if e.primitive is lax.shift_right_logical_p], order  # no bit planes
