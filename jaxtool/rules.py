@@ -846,6 +846,33 @@ def _scatter_add_as_selections(eqn, invals, outvals):
     return sum_of_selections(parts, np.dtype(dtype))
 
 
+@register(P.scatter_p)
+def scatter(eqn, invals, outvals, wrt):
+    """``operand`` with ``updates`` written over it at the indices (``x.at[i].set(v)``): where the
+    indices are known while tracing and no two updates go to one element, a selection of each (the
+    operand's elements not written over; each update where it goes), as for ``dynamic_update_slice``;
+    else JAX's JVP of the whole equation (:func:`opaque`). As that JVP its map was applied to every
+    block that crossed it (the Markowitz order of eight 1-D heat steps with a copied boundary: 2.5
+    million multiplications where ``fwd`` took 33 thousand; now 6,920 and 7,137), and under
+    ``jax.vmap`` over a Jacobian's columns XLA:CPU ran each as a loop of updates (eight steps of a
+    12x12 heat stencil with its boundary set: 0.95 ms a call in forward order, 0.88 ms of it there)."""
+    out_shape, upd_shape = _shape(outvals[0]), _shape(invals[2])
+    ops = _concrete_operands(invals, 2, np.zeros(upd_shape, np.float32), 0)
+    target = None if ops is None else _scatter_targets(out_shape, ops[1], upd_shape, eqn.params["dimension_numbers"],
+                                                       eqn.params["mode"])
+    written = None if target is None else target.reshape(-1)
+    if written is None or len(np.unique(written[written >= 0])) != np.count_nonzero(written >= 0):
+        return opaque(eqn, invals, outvals, wrt)
+    n_out, dtype = int(np.prod(out_shape)), jax.typeof(outvals[0]).dtype
+    result = []
+    for i in wrt:
+        index = np.arange(n_out) if i == 0 else np.full(n_out, -1)
+        kept = np.flatnonzero(written >= 0)
+        index[written[kept]] = -1 if i == 0 else kept
+        result.append((i, 0, selection_from_index(out_shape, _shape(invals[i]), index.reshape(out_shape), dtype)))
+    return result
+
+
 @register(P.reduce_window_sum_p)
 def summing(eqn, invals, outvals, wrt):
     """Linear maps that add input elements together: zero multiplications, not a selection."""
