@@ -2515,6 +2515,23 @@ def test_takes_at_known_indices_match_numpy(runs_limit, monkeypatch):
     assert partials._runs(index, 3) is None and partials._runs(np.arange(0, 20, 2), 8) is None
 
 
+def _float32_orders_match(program, args, seed):
+    """``args`` as float32, and their argnums (all): ``program``'s Jacobian in the three named orders
+    and three random ones (staged) is ``jax.jacrev``'s."""
+    args = tuple(jnp.asarray(a, jnp.float32) for a in args)
+    argnums = tuple(range(len(args)))
+    want = jax.jacrev(program, argnums)(*args)
+    assert_orders_match(program, args, argnums, want,
+                        lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 3, seed=seed), rtol=1e-5, atol=1e-6,
+                        staged=True)
+    return args, argnums
+
+
+def _staged_equations(program, order, args, argnums) -> list:
+    """The equations of ``jacve(program, order)``'s jaxpr, nested ones included."""
+    return list(_equations(jax.make_jaxpr(jaxtool.jacve(program, order, argnums))(*args).jaxpr))
+
+
 def _top_three_sum(s):
     """The sum of each row's three largest values: a sort, then a slice."""
     return jnp.sum(jnp.sort(s, axis=-1)[:, -3:], -1)
@@ -2564,14 +2581,9 @@ def test_sorts_and_value_indexed_selections_find_their_indices_without_bit_plane
     # its map: the top-3 row sums of a 4x10 batch counted 1294 XLA flops, past XLA:CPU's 1000-flop
     # line (a hand-off to a worker thread): 22.7 us a call where jax.jacrev takes 11.7; now 320-644
     # flops, 11.6 us
-    args = tuple(jnp.asarray(a, jnp.float32) for a in args)
-    argnums = tuple(range(len(args)))
-    want = jax.jacrev(program, argnums)(*args)
-    assert_orders_match(program, args, argnums, want,
-                        lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 3, seed=6), rtol=1e-5, atol=1e-6,
-                        staged=True)
+    args, argnums = _float32_orders_match(program, args, seed=6)
     for order in ("fwd", "rev", "markowitz"):
-        equations = list(_equations(jax.make_jaxpr(jaxtool.jacve(program, order, argnums))(*args).jaxpr))
+        equations = _staged_equations(program, order, args, argnums)
         assert not [e for e in equations if e.primitive is lax.shift_right_logical_p], order  # no bit planes
         sorts = [e for e in equations if e.primitive is lax.sort_p]
         assert len(sorts) == (program not in (_dynamic_windows,)), (order, len(sorts))
@@ -2639,14 +2651,9 @@ def test_scatters_at_known_distinct_indices_are_selections(program, args, primal
     # whole scatter, its map was applied to every block that crossed it: the Markowitz order of
     # eight 1-D heat steps with a copied boundary (32 points) took 2,496,638 multiplications where
     # fwd took 32,851 (now 6,920 and 7,137) and traced 7,807 scatters (now the primal's 8)
-    args = tuple(jnp.asarray(a, jnp.float32) for a in args)
-    argnums = tuple(range(len(args)))
-    want = jax.jacrev(program, argnums)(*args)
-    assert_orders_match(program, args, argnums, want,
-                        lambda p: ["fwd", "rev", "markowitz"] + random_orders(p, 3, seed=7), rtol=1e-5, atol=1e-6,
-                        staged=True)
+    args, argnums = _float32_orders_match(program, args, seed=7)
     if primal_scatters is None:
         return
     for order in ("fwd", "rev", "markowitz"):
-        equations = _equations(jax.make_jaxpr(jaxtool.jacve(program, order, argnums))(*args).jaxpr)
+        equations = _staged_equations(program, order, args, argnums)
         assert sum(e.primitive is lax.scatter_p for e in equations) == primal_scatters, order
