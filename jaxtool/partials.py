@@ -1962,25 +1962,39 @@ def _sparse_add(x: Sparse, y: Sparse) -> tuple[Sparse, Cost]:
     return replace(result, val=_broadcasting(lax.add, xv, yv), live=live), cost
 
 
-#: arrays known while tracing to be exactly zero off a block of their axes: id -> (weak reference to the
-#: array, first axis of the block, booleans of the block's shape, False where the array is zero)
-_ZERO_OFF: dict = {}
+class ValueNotes:
+    """Facts about traced arrays, recorded while a Jacobian is traced and looked up later by the
+    array itself: kept by id and weakly, so that an entry goes with its array and an id a new array
+    reuses finds nothing."""
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def record(self, v, fact) -> None:
+        key = id(v)
+        self._entries[key] = (weakref.ref(v, lambda _, key=key: self._entries.pop(key, None)), fact)
+
+    def of(self, v):
+        """The fact recorded for ``v``, or None."""
+        entry = self._entries.get(id(v))
+        return None if entry is None or entry[0]() is not v else entry[1]
+
+
+#: arrays known while tracing to be exactly zero off a block of their axes: (first axis of the
+#: block, booleans of the block's shape, False where the array is zero)
+_ZERO_OFF = ValueNotes()
 
 
 def _mark_zero_off(v, start: int, live: np.ndarray) -> None:
     """Record that the traced ``v`` is exactly zero wherever the NumPy booleans ``live``, laid over
     ``v``'s axes from ``start`` on (rows: 0; columns of a partial's values: its number of output
     axes), are False: rows of a selection that selects nothing there, columns scattered to nowhere."""
-    key = id(v)
-    _ZERO_OFF[key] = (weakref.ref(v, lambda _, key=key: _ZERO_OFF.pop(key, None)), start, live)
+    _ZERO_OFF.record(v, (start, live))
 
 
 def _zero_off(v) -> Optional[tuple]:
     """``(start, live)`` as :func:`_mark_zero_off` recorded them for ``v``, or None."""
-    entry = _ZERO_OFF.get(id(v))
-    if entry is None or entry[0]() is not v:
-        return None
-    return entry[1:]
+    return _ZERO_OFF.of(v)
 
 
 def _disjoint_sum(x, y):

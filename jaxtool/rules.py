@@ -16,7 +16,6 @@ and reported as opaque by the counters. Equations that read or make complex valu
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -29,8 +28,8 @@ from jax.extend.core import primitives as P
 from jaxtool._compat import split_p, stack_p, unstack_p
 from jaxtool.errors import UnsupportedError
 from jaxtool.graph import NUMPY_RULES, PRIMAL_RULES, FlatEqn, bind
-from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, apart, cast, promoted, reshaped,
-                              selection_from_index, sum_of_selections)
+from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, ValueNotes, apart, cast, promoted,
+                              reshaped, selection_from_index, sum_of_selections)
 from jaxtool.printing import subjaxprs
 from jaxtool.point_forms import two_forms_p
 from jaxtool.sharing import materialize_p, once_p
@@ -744,14 +743,14 @@ def sort(eqn, invals, outvals, wrt):
     """Each operand is permuted by the keys' sorting permutation; keys carry no derivative of it.
     Where the primal sort kept its permutation (:func:`_sort_keeping_permutation`), the partials read
     it: a gather forward, its flat indices for products and densification; else JAX's JVP of the sort."""
-    permutation = _kept_permutation(outvals[0])
+    permutation = _PERMUTATIONS.of(outvals[0])
     return [(i, i, _linear_from_jvp(eqn, invals, outvals, i, i, selection=True, flops=0, opaque=False)
              if permutation is None else _permuted(outvals[i], permutation, eqn.params["dimension"]))
             for i in wrt if is_differentiable(jax.typeof(outvals[i]))]
 
 
-#: per result of a primal sort, by id (weakly): its permutation (:func:`_sort_keeping_permutation`)
-_PERMUTATIONS: dict = {}
+#: per result of a primal sort: its permutation (:func:`_sort_keeping_permutation`)
+_PERMUTATIONS = ValueNotes()
 
 
 def _sort_keeping_permutation(*operands, dimension, is_stable, num_keys):
@@ -762,18 +761,13 @@ def _sort_keeping_permutation(*operands, dimension, is_stable, num_keys):
     *results, permutation = jax.lax.sort_p.bind(*operands, positions, dimension=dimension,
                                                 is_stable=is_stable, num_keys=num_keys)
     for y in results:
-        key = id(y)
-        _PERMUTATIONS[key] = (weakref.ref(y, lambda _, key=key: _PERMUTATIONS.pop(key, None)), permutation)
+        _PERMUTATIONS.record(y, permutation)
     return results
 
 
 PRIMAL_RULES["sort"] = _sort_keeping_permutation
 
 
-def _kept_permutation(y):
-    """The permutation :func:`_sort_keeping_permutation` made ``y`` with, or None."""
-    entry = _PERMUTATIONS.get(id(y))
-    return None if entry is None or entry[0]() is not y else entry[1]
 
 
 def _permuted(y, permutation, dimension):
