@@ -768,8 +768,6 @@ def _sort_keeping_permutation(*operands, dimension, is_stable, num_keys):
 PRIMAL_RULES["sort"] = _sort_keeping_permutation
 
 
-
-
 def _permuted(y, permutation, dimension):
     """The partial of a sort's result ``y`` on its operand: element ``o`` is the operand's element at
     ``o`` with its position along ``dimension`` replaced by ``permutation[o]``."""
@@ -858,10 +856,10 @@ def scatter(eqn, invals, outvals, wrt):
     if written is None or len(np.unique(written[written >= 0])) != np.count_nonzero(written >= 0):
         return opaque(eqn, invals, outvals, wrt)
     n_out, dtype = int(np.prod(out_shape)), jax.typeof(outvals[0]).dtype
+    kept = np.flatnonzero(written >= 0)  # the updates that are written
     result = []
     for i in wrt:
         index = np.arange(n_out) if i == 0 else np.full(n_out, -1)
-        kept = np.flatnonzero(written >= 0)
         index[written[kept]] = -1 if i == 0 else kept
         result.append((i, 0, selection_from_index(out_shape, _shape(invals[i]), index.reshape(out_shape), dtype)))
     return result
