@@ -727,16 +727,24 @@ def _result_dtype(a: Partial, b: Partial):
     return promoted(a.dtype, b.dtype)
 
 
-def _compose_index(outer: np.ndarray, inner: np.ndarray) -> np.ndarray:
-    """Index of ``outer o inner`` for two selections given by their indices (-1: zero)."""
+def _compose_index(outer, inner):
+    """Index of ``outer o inner`` for two selections given by their indices (-1: zero): NumPy where
+    both are, else traced int32 (:attr:`Linear.traced_index`)."""
+    if not (isinstance(outer, np.ndarray) and isinstance(inner, np.ndarray)):
+        flat = jnp.reshape(jnp.asarray(inner, np.int32), (-1,))
+        if flat.shape[0] == 0:
+            return jnp.full(jnp.shape(outer), -1, np.int32)
+        picked = _take(flat, np.maximum(outer, 0) if isinstance(outer, np.ndarray) else jnp.maximum(outer, 0), 0)
+        return jnp.where(jnp.asarray(outer) >= 0, picked, np.int32(-1))
     flat = inner.reshape(-1)
     if flat.size == 0:  # nothing to select from (zero-size values)
         return np.full(outer.shape, -1)
     return np.where(outer >= 0, flat[np.maximum(outer, 0)], -1)
 
 
-def _transposed_index(index: Optional[np.ndarray], in_shape, pairs) -> Optional[np.ndarray]:
-    """Index of ``t -> selection(transpose(t, pairs))`` where ``selection`` reads a transposed ``in_shape``."""
+def _transposed_index(index, in_shape, pairs):
+    """Index of ``t -> selection(transpose(t, pairs))`` where ``selection`` reads a transposed ``in_shape``
+    (NumPy, or traced: see :func:`_compose_index`)."""
     if index is None:
         return None
     flat = np.transpose(np.arange(_size(in_shape)).reshape(in_shape), pairs)
@@ -1372,7 +1380,7 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
         joint = _joint_after(b, a_t)
     traced_index = None
     if result.selection and index is None and _has_index(a) and _has_index(b):
-        traced_index = lambda: _composed_traced_index(_index_of(b), _index_of(a))  # noqa: E731
+        traced_index = lambda: _compose_index(_index_of(b), _index_of(a))  # noqa: E731
     return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
                                           calls=calls, joint=joint, traced_index=traced_index)), cost
 
@@ -1380,15 +1388,6 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
 def _has_index(x: Linear) -> bool:
     """Whether the selection ``x`` knows its index without applying its map (:func:`_index_of`)."""
     return x.index is not None or x.traced_index is not None
-
-
-def _composed_traced_index(outer, inner):
-    """:func:`_compose_index` where either index is traced (int32)."""
-    flat = jnp.reshape(jnp.asarray(inner, np.int32), (-1,))
-    if flat.shape[0] == 0:
-        return jnp.full(jnp.shape(outer), -1, np.int32)
-    picked = _take(flat, np.maximum(outer, 0) if isinstance(outer, np.ndarray) else jnp.maximum(outer, 0), 0)
-    return jnp.where(jnp.asarray(outer) >= 0, picked, np.int32(-1))
 
 
 def _zero_where_unselected(x: Linear) -> Linear:
@@ -1884,8 +1883,7 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
         calls = ((b, None if not embed and a.pairs == tuple(range(len(a.pairs))) else object(), None),)
         traced_index = None
         if not embed and b.traced_index is not None:
-            flat = np.transpose(np.arange(_size(a.in_shape)).reshape(a.in_shape), a.pairs)
-            traced_index = lambda: _composed_traced_index(_index_of(b), flat)  # noqa: E731
+            traced_index = lambda: _transposed_index(_index_of(b), a.in_shape, a.pairs)  # noqa: E731
         return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
                                               calls=calls, joint=joint, traced_index=traced_index)), cost
     # general: columns of a (dense over v) pushed through b
