@@ -1636,13 +1636,14 @@ def _scatter_columns(rows, index, n: int, shapes: Optional[tuple] = None):
     A traced ``index`` (computed at run time) scatters every entry on its own: XLA:CPU moves a column
     window per index slowly (300 rows of 300 into 1024 columns: 1.5 ms; entry by entry 0.3 ms).
     ``shapes``, where given, are the shapes of ``v`` and ``u``: where ``index`` is a strided window
-    (:func:`_window`, a slice or pad), the columns are sliced and padded into place instead."""
+    (:func:`_window`, a slice or pad) or a few shifted boxes (:func:`_windows`), the columns are sliced
+    and padded into place instead."""
     if not isinstance(index, np.ndarray):
         columns = lax.broadcast_in_dim(index, rows.shape, (1,))
         return _scattered(lax.broadcasted_iota(np.int32, rows.shape, 0), columns, rows, (rows.shape[0], n), rows.dtype)
-    window = None if shapes is None else _window(index.reshape(shapes[0]), shapes[1])
-    if window is not None:
-        return _window_take(rows, _inverse_window(window), 1, shapes[0], shapes[1])
+    windows = None if shapes is None else _windows(index.reshape(shapes[0]), shapes[1])
+    if windows is not None:
+        return _windows_take(rows, [_inverse_window(w) for w in windows], 1, shapes[0], shapes[1])
     picked = np.flatnonzero(index >= 0)
     targets = index[picked]
     if len(np.unique(targets)) == len(targets):  # each column read at most once: a gather
@@ -1693,6 +1694,58 @@ def _inverse_window(window: tuple) -> tuple:
     return tuple((src, src_step, dst, dst_step, n) for dst, dst_step, src, src_step, n in window)
 
 
+#: an index that is at most this many shifted boxes (:func:`_windows`) is taken as their slices
+#: padded into place and added, not by a ``gather``: XLA:CPU fuses a gather with the chain of slices
+#: and pads before it and recomputes that chain for every element it reads, so a dense 2-D block
+#: taken through ``jnp.pad(u[1:-1, 1:-1], 1)`` (rows 10 runs apart) step after step cost 0.4-0.6 ms
+#: per kernel in 8 steps of a 12x12 diffusion (forward order)
+MAX_WINDOWS = 4
+
+
+def _windows(index: np.ndarray, src_shape: tuple) -> Optional[tuple]:
+    """A selection's ``index`` (as :func:`_window`'s) as a few windows with disjoint destinations:
+    :func:`_window`'s one strided window where it is one, else at most :data:`MAX_WINDOWS` boxes of
+    destination elements that each copy a box of the source shifted by one offset (``jnp.roll`` on
+    a grid axis is two; a 2-D stencil's shift cut at the grid's edges, one). None otherwise."""
+    src_shape, grid = _grids(src_shape, index.shape)
+    index = index.reshape(grid)
+    window = _window(index, src_shape)
+    if window is not None:
+        return (window,)
+    if index.ndim != len(src_shape) or not index.ndim or not (index >= 0).any():
+        return None
+    at = np.argwhere(index >= 0)  # (destination elements, axes), row-major
+    offsets = np.stack(np.unravel_index(index[tuple(at.T)], src_shape), axis=1) - at
+    keys, group = np.unique(offsets, axis=0, return_inverse=True)
+    if len(keys) > MAX_WINDOWS:
+        return None
+    windows = []
+    for k, offset in enumerate(keys):
+        box = at[group.reshape(-1) == k]
+        low, high = box.min(axis=0), box.max(axis=0)
+        if len(box) != np.prod(high - low + 1):  # (elements are distinct: a full box has its volume)
+            return None
+        windows.append(tuple((int(lo), 1, int(lo + o), 1, int(hi - lo + 1)) for lo, hi, o in zip(low, high, offset)))
+    return tuple(windows)
+
+
+def _grids(src_shape: tuple, dst_shape: tuple) -> tuple:
+    """The shapes :func:`_windows` sees a selection's source and destination in: equal-sized shapes of
+    different ranks (a selection through a reshape: a flat vector made a grid) both as the one of
+    more axes, else themselves."""
+    if len(src_shape) != len(dst_shape) and _size(src_shape) == _size(dst_shape):
+        grid = tuple(max(src_shape, dst_shape, key=len))
+        return grid, grid
+    return tuple(src_shape), tuple(dst_shape)
+
+
+def _windows_take(x, windows, axis: int, src_shape: tuple, dst_shape: tuple):
+    """:func:`_window_take` through each of ``windows``, added (disjoint destinations: each element
+    is one window's or zero; overlapping ones, a transposed selection's, add up as its scatter does)."""
+    src_shape, dst_shape = _grids(src_shape, dst_shape)
+    return functools.reduce(lax.add, [_window_take(x, w, axis, src_shape, dst_shape) for w in windows])
+
+
 def _window_take(x, window: tuple, axis: int, src_shape: tuple, dst_shape: tuple):
     """``x`` with its ``axis`` (the flattened ``src_shape``) replaced by the flattened ``dst_shape``,
     taken through the strided ``window`` (:func:`_window`): one slice and one pad."""
@@ -1711,16 +1764,21 @@ def _window_take(x, window: tuple, axis: int, src_shape: tuple, dst_shape: tuple
     return reshaped(v, lead + (_size(dst_shape),) + rest)
 
 
-def _take_or_zero(x, index: np.ndarray, axis: int):
+def _take_or_zero(x, index: np.ndarray, axis: int, shapes: Optional[tuple] = None):
     """``x`` taken at the NumPy ``index`` along ``axis``, zero where ``index`` is -1: slices and
     zeros concatenated where ``index`` is at most :data:`MAX_RUNS` runs, else a ``gather`` and a
-    ``select``."""
+    ``select``. ``shapes``, where given, are the shapes ``(src, dst)`` of ``x``'s axis and of
+    ``index``'s elements: where ``index`` is a few windows in them (:func:`_windows`), their slices
+    padded into place."""
     shape = x.shape[:axis] + index.shape + x.shape[axis + 1:]
     if not (index >= 0).any():
         return lax.full(shape, 0, x.dtype)
     runs = _runs(index.reshape(-1), MAX_RUNS)
     if runs is not None:
         return reshaped(_concatenated_runs(x, runs, axis), shape)
+    windows = None if shapes is None else _windows(index.reshape(shapes[1]), shapes[0])
+    if windows is not None:
+        return reshaped(_windows_take(x, windows, axis, *shapes), shape)
     taken = _take(x, np.maximum(index, 0), axis)
     if (index >= 0).all():
         return taken
@@ -1819,13 +1877,14 @@ def _unravel(index, shape) -> tuple:
     return tuple(lax.rem(lax.div(index, np.int32(math.prod(shape[k + 1:]))), np.int32(n)) for k, n in enumerate(shape))
 
 
-def _rows_at(a: Sparse, index, dtype):
+def _rows_at(a: Sparse, index, dtype, index_shape: Optional[tuple] = None):
     """The rows of ``a`` at its flattened output elements ``index`` (-1: a row of zeros; NumPy, or
     traced where computed at run time), dense over its input as ``a.unpair`` of every output axis
     stores them (size 1 along an unpaired input axis its values are constant on):
     ``(len(index),) + columns``. Taken from the stored values and the pairing: ``a`` densified over
     all its rows (a selection of 1,600 of 8,000 rows of a per-row 8x8 block, graph message passing)
-    was a 64M-entry array and a gather from it."""
+    was a 64M-entry array and a gather from it. ``index_shape``, where given, is the shape ``index``
+    is flat in (see :func:`_take_or_zero`'s ``shapes``)."""
     nout, n_in = len(a.out_shape), len(a.in_shape)
     columns = a.dense_val_shape[nout:]
     known = isinstance(index, np.ndarray)
@@ -1837,7 +1896,8 @@ def _rows_at(a: Sparse, index, dtype):
     at = sum((c * math.prod(stored[k + 1:]) for k, c in enumerate(coords) if stored[k] > 1), 0 * index)
     values = reshaped(cast(a.values(), dtype), (_size(stored),) + tuple(a.val_shape[nout:]))
     if known:  # (zero rows written as such)
-        rows, keep = _take_or_zero(values, np.where(index >= 0, at, -1), 0), None
+        grids = (tuple(a.out_shape), tuple(index_shape)) if index_shape is not None and stored == a.out_shape else None
+        rows, keep = _take_or_zero(values, np.where(index >= 0, at, -1), 0, grids), None
     else:
         rows, keep = _take(values, at, 0), (index >= 0).reshape((-1,) + (1,) * n_in)
     rows = reshaped(rows, (len(index),) + tuple(1 if j in paired else columns[j] for j in range(n_in)))
@@ -1897,7 +1957,7 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
         return result, cost
     if b.selection:
         index = _index_of(b)
-        val = cast(reshaped(_rows_at(a, reshaped(index, (_size(b.out_shape),)), dtype), val_shape), dtype)
+        val = cast(reshaped(_rows_at(a, reshaped(index, (_size(b.out_shape),)), dtype, b.out_shape), val_shape), dtype)
         if b.has_scale:
             val = val * reshaped(jnp.broadcast_to(b.scale, b.out_shape), tuple(b.out_shape) + (1,) * len(col_shape))
         elif isinstance(index, np.ndarray) and (index < 0).any():
@@ -2085,6 +2145,27 @@ def _part_limit(n_in: int) -> int:
     return max(MAX_PARTS, n_in // 4)
 
 
+#: A sum of scaled selections some of whose parts are taken by a ``gather`` (their indices neither
+#: :data:`MAX_RUNS` runs nor :func:`_windows`) keeps at most this many parts, or a sixteenth of its
+#: input elements where that is more, and is formed dense beyond. Every product and sum of such
+#: parts gathers their entries, which XLA:CPU does element by element (and fuses with the slices
+#: before it, recomputing them per element): 8 steps of a 12x12 diffusion whose boundary is set
+#: (2-D stencils cut at the grid's edges, up to 41 parts of 144 inputs) took 0.69 ms in reverse
+#: order and compiled in 4.6 s with the parts, 0.28 ms and 1.0 s dense (one CPU; ``jax.jacrev``
+#: 0.37 ms). Parts that are slices and pads (a periodic 1-D stencil's rolls) stay up to :data:`MAX_PARTS`.
+GATHERED_PARTS = 8
+
+
+def _gathered_part_limit(n_in: int) -> int:
+    return max(GATHERED_PARTS, n_in // 16)
+
+
+def _sliced(index: np.ndarray, out_shape: tuple, in_shape: tuple) -> bool:
+    """Whether a selection by ``index`` (flat) is taken by slices and pads, not a ``gather``
+    (:func:`_take_or_zero`)."""
+    return _runs(index, MAX_RUNS) is not None or _windows(index.reshape(out_shape), in_shape) is not None
+
+
 def _has_parts(x: Partial) -> bool:
     return isinstance(x, Linear) and bool(x.parts)
 
@@ -2162,17 +2243,17 @@ def selection_from_index(out_shape, in_shape, index: np.ndarray, dtype) -> Linea
     out_shape, in_shape = tuple(out_shape), tuple(in_shape)
     flat = index.reshape(-1)
     n_in = _size(in_shape)
-    window = functools.cache(lambda: _window(index.reshape(out_shape), in_shape))  # (a slice or pad: no gather)
+    windows = functools.cache(lambda: _windows(index.reshape(out_shape), in_shape))  # (slices, pads: no gather)
 
     def fn(t):
-        if window() is not None:
-            return _window_take(jnp.reshape(t, (1, n_in)), window(), 1, in_shape, out_shape).reshape(out_shape)
+        if windows() is not None and (len(windows()) == 1 or _runs(flat, MAX_RUNS) is None):
+            return _windows_take(jnp.reshape(t, (1, n_in)), windows(), 1, in_shape, out_shape).reshape(out_shape)
         return _take_or_zero(jnp.reshape(t, (n_in,)), flat, axis=0).reshape(out_shape)
 
     def fn_t(c):  # (the index checks here, not when the selection is made: most are never transposed)
-        if window() is not None:
-            return _window_take(jnp.reshape(c, (1, -1)), _inverse_window(window()), 1, out_shape,
-                                in_shape).reshape(in_shape)
+        if windows() is not None:
+            return _windows_take(jnp.reshape(c, (1, -1)), [_inverse_window(w) for w in windows()], 1, out_shape,
+                                 in_shape).reshape(in_shape)
         picked = np.flatnonzero(flat >= 0)
         unique = len(np.unique(flat[picked])) == len(picked)
         rows = jnp.reshape(c, (-1,))[picked]
@@ -2202,10 +2283,16 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
     count = int(rank.max(initial=0)) + 1
     if count > _part_limit(n_in):
         return None
-    if count >= len(terms) and len(entries) == len(term):  # as few already, no entry shared
+    as_given = count >= len(terms) and len(entries) == len(term)  # as few already, no entry shared
+    if as_given:
+        cut = index
+    else:
+        cut = np.full((count, n_out), -1)
+        cut[rank, entry_rows] = entries % n_in
+    if len(cut) > _gathered_part_limit(n_in) and not all(_sliced(c, out_shape, in_shape) for c in cut):
+        return None
+    if as_given:
         return list(terms), None
-    cut = np.full((count, n_out), -1)
-    cut[rank, entry_rows] = entries % n_in
     scaled = any(t.has_scale for t in terms) or len(entries) < len(term)
     if any(t.abstract for t in terms):  # their plans (no maps made: a Markowitz order costs many)
         return [Linear(out_shape, in_shape, np.dtype(dtype), has_scale=scaled, selection=True,
