@@ -1643,7 +1643,7 @@ def _scatter_columns(rows, index, n: int, shapes: Optional[tuple] = None):
         return _scattered(lax.broadcasted_iota(np.int32, rows.shape, 0), columns, rows, (rows.shape[0], n), rows.dtype)
     windows = None if shapes is None else _windows(index.reshape(shapes[0]), shapes[1])
     if windows is not None:
-        return _windows_take(rows, [_inverse_window(w) for w in windows], 1, shapes[0], shapes[1])
+        return _windows_take(rows, windows, 1, transposed=True)
     picked = np.flatnonzero(index >= 0)
     targets = index[picked]
     if len(np.unique(targets)) == len(targets):  # each column read at most once: a gather
@@ -1706,13 +1706,40 @@ def _windows(index: np.ndarray, src_shape: tuple) -> Optional[tuple]:
     """A selection's ``index`` (as :func:`_window`'s) as a few windows with disjoint destinations:
     :func:`_window`'s one strided window where it is one, else at most :data:`MAX_WINDOWS` boxes of
     destination elements that each copy a box of the source shifted by one offset (``jnp.roll`` on
-    a grid axis is two; a 2-D stencil's shift cut at the grid's edges, one). None otherwise."""
-    src_shape, grid = _grids(src_shape, index.shape)
-    index = index.reshape(grid)
+    a grid axis is two; a 2-D stencil's shift cut at the grid's edges, one). Returned as
+    ``(src_grid, dst_grid, windows)``, the windows in the grid shapes they were found in
+    (:func:`_grids`); None where there are none."""
+    for src_grid, dst_grid in _grids(tuple(src_shape), tuple(index.shape)):
+        windows = _boxes(index.reshape(dst_grid), src_grid)
+        if windows is not None:
+            return src_grid, dst_grid, windows
+    return None
+
+
+def _grids(src_shape: tuple, dst_shape: tuple) -> list:
+    """The shapes of the same rank :func:`_windows` tries to see a selection's source and destination
+    in: themselves; equal-sized shapes of different ranks (a flat vector made a grid) both as the one
+    of more axes; where one has one axis fewer (a row written into a grid), it with a unit axis put
+    in at each place."""
+    if len(src_shape) == len(dst_shape):
+        return [(src_shape, dst_shape)]
+    if _size(src_shape) == _size(dst_shape):
+        grid = max(src_shape, dst_shape, key=len)
+        return [(grid, grid)]
+    if abs(len(src_shape) - len(dst_shape)) != 1:
+        return []
+    unit = lambda shape: [shape[:k] + (1,) + shape[k:] for k in range(len(shape) + 1)]  # noqa: E731
+    if len(src_shape) < len(dst_shape):
+        return [(grid, dst_shape) for grid in unit(src_shape)]
+    return [(src_shape, grid) for grid in unit(dst_shape)]
+
+
+def _boxes(index: np.ndarray, src_shape: tuple) -> Optional[tuple]:
+    """:func:`_windows` in the given grid shapes: ``index`` of the destination's, ``src_shape``."""
     window = _window(index, src_shape)
     if window is not None:
         return (window,)
-    if index.ndim != len(src_shape) or not index.ndim or not (index >= 0).any():
+    if not index.ndim or not (index >= 0).any():
         return None
     at = np.argwhere(index >= 0)  # (destination elements, axes), row-major
     offsets = np.stack(np.unravel_index(index[tuple(at.T)], src_shape), axis=1) - at
@@ -1729,21 +1756,15 @@ def _windows(index: np.ndarray, src_shape: tuple) -> Optional[tuple]:
     return tuple(windows)
 
 
-def _grids(src_shape: tuple, dst_shape: tuple) -> tuple:
-    """The shapes :func:`_windows` sees a selection's source and destination in: equal-sized shapes of
-    different ranks (a selection through a reshape: a flat vector made a grid) both as the one of
-    more axes, else themselves."""
-    if len(src_shape) != len(dst_shape) and _size(src_shape) == _size(dst_shape):
-        grid = tuple(max(src_shape, dst_shape, key=len))
-        return grid, grid
-    return tuple(src_shape), tuple(dst_shape)
-
-
-def _windows_take(x, windows, axis: int, src_shape: tuple, dst_shape: tuple):
-    """:func:`_window_take` through each of ``windows``, added (disjoint destinations: each element
-    is one window's or zero; overlapping ones, a transposed selection's, add up as its scatter does)."""
-    src_shape, dst_shape = _grids(src_shape, dst_shape)
-    return functools.reduce(lax.add, [_window_take(x, w, axis, src_shape, dst_shape) for w in windows])
+def _windows_take(x, found: tuple, axis: int, transposed: bool = False):
+    """``x`` with its ``axis`` (the flattened source) replaced by the flattened destination, taken
+    through :func:`_windows`' ``found`` windows (destination to source where ``transposed``): each
+    window's slice padded into place, added up (disjoint destinations: each element is one
+    window's or zero; a transposed selection's overlap and add up as its scatter does)."""
+    src_grid, dst_grid, windows = found
+    if transposed:
+        src_grid, dst_grid, windows = dst_grid, src_grid, [_inverse_window(w) for w in windows]
+    return functools.reduce(lax.add, [_window_take(x, w, axis, src_grid, dst_grid) for w in windows])
 
 
 def _window_take(x, window: tuple, axis: int, src_shape: tuple, dst_shape: tuple):
@@ -1778,7 +1799,7 @@ def _take_or_zero(x, index: np.ndarray, axis: int, shapes: Optional[tuple] = Non
         return reshaped(_concatenated_runs(x, runs, axis), shape)
     windows = None if shapes is None else _windows(index.reshape(shapes[1]), shapes[0])
     if windows is not None:
-        return reshaped(_windows_take(x, windows, axis, *shapes), shape)
+        return reshaped(_windows_take(x, windows, axis), shape)
     taken = _take(x, np.maximum(index, 0), axis)
     if (index >= 0).all():
         return taken
@@ -2148,11 +2169,15 @@ def _part_limit(n_in: int) -> int:
 #: A sum of scaled selections some of whose parts are taken by a ``gather`` (their indices neither
 #: :data:`MAX_RUNS` runs nor :func:`_windows`) keeps at most this many parts, or a sixteenth of its
 #: input elements where that is more, and is formed dense beyond. Every product and sum of such
-#: parts gathers their entries, which XLA:CPU does element by element (and fuses with the slices
-#: before it, recomputing them per element): 8 steps of a 12x12 diffusion whose boundary is set
-#: (2-D stencils cut at the grid's edges, up to 41 parts of 144 inputs) took 0.69 ms in reverse
-#: order and compiled in 4.6 s with the parts, 0.28 ms and 1.0 s dense (one CPU; ``jax.jacrev``
-#: 0.37 ms). Parts that are slices and pads (a periodic 1-D stencil's rolls) stay up to :data:`MAX_PARTS`.
+#: parts gathers their entries, which XLA:CPU does element by element. Eight steps of diffusion on
+#: a 12x12 grid (one CPU, 1e598b9 -> this limit; ``jax.jacfwd`` / ``jax.jacrev``): edges set to zero
+#: (up to 41 parts of 144 inputs) rev 0.66 -> 0.28 ms, markowitz 0.27 -> 0.21 ms, compile 4.3 ->
+#: 0.9 s (0.20 / 0.37 ms); ``jnp.pad`` edges fwd 1.28 -> 0.12 ms, rev 0.55 -> 0.12 ms (0.12 / 0.17);
+#: periodic (``jnp.roll`` only) markowitz 0.38 -> 0.21 ms but fwd 0.85 -> 1.6 ms and rev 0.80 -> 3.6 ms
+#: (5.2 / 8.9 ms): there XLA:CPU fuses the primal's eight steps (all cheap elementwise operations
+#: and slices) into the kernel that scales the dense block, recomputing them for each of its
+#: 14,400 entries. Parts that are slices and pads (a periodic 1-D stencil's rolls) stay up to
+#: :data:`MAX_PARTS`.
 GATHERED_PARTS = 8
 
 
@@ -2246,14 +2271,13 @@ def selection_from_index(out_shape, in_shape, index: np.ndarray, dtype) -> Linea
     windows = functools.cache(lambda: _windows(index.reshape(out_shape), in_shape))  # (slices, pads: no gather)
 
     def fn(t):
-        if windows() is not None and (len(windows()) == 1 or _runs(flat, MAX_RUNS) is None):
-            return _windows_take(jnp.reshape(t, (1, n_in)), windows(), 1, in_shape, out_shape).reshape(out_shape)
+        if windows() is not None and (len(windows()[2]) == 1 or _runs(flat, MAX_RUNS) is None):
+            return _windows_take(jnp.reshape(t, (1, n_in)), windows(), 1).reshape(out_shape)
         return _take_or_zero(jnp.reshape(t, (n_in,)), flat, axis=0).reshape(out_shape)
 
     def fn_t(c):  # (the index checks here, not when the selection is made: most are never transposed)
         if windows() is not None:
-            return _windows_take(jnp.reshape(c, (1, -1)), [_inverse_window(w) for w in windows()], 1, out_shape,
-                                 in_shape).reshape(in_shape)
+            return _windows_take(jnp.reshape(c, (1, -1)), windows(), 1, transposed=True).reshape(in_shape)
         picked = np.flatnonzero(flat >= 0)
         unique = len(np.unique(flat[picked])) == len(picked)
         rows = jnp.reshape(c, (-1,))[picked]

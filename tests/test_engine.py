@@ -2686,7 +2686,7 @@ def test_sums_of_gathered_selections_are_dense_beyond_a_few_parts():
     # Parts taken by gathers (random permutations) are kept up to GATHERED_PARTS (8 here: 64 inputs),
     # parts that are slices (rolls) up to MAX_PARTS; the products and sums of gathered parts gather
     # their entries one by one, slower and longer to compile than the dense block (a 12x12 diffusion
-    # with set edges: 0.69 ms and 4.6 s in rev order with up to 41 parts, 0.28 ms and 1.0 s dense)
+    # with set edges: 0.66 ms and 4.3 s in rev order with up to 41 parts, 0.28 ms and 0.9 s dense)
     rng = np.random.default_rng(4)
     n, scale = 64, jnp.asarray(rng.standard_normal(64), jnp.float32)
 
