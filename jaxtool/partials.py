@@ -2171,10 +2171,10 @@ def _part_limit(n_in: int) -> int:
 #: input elements where that is more, and is formed dense beyond. Every product and sum of such
 #: parts gathers their entries, which XLA:CPU does element by element. Eight steps of diffusion on
 #: a 12x12 grid (one CPU, 1e598b9 -> this limit; ``jax.jacfwd`` / ``jax.jacrev``): edges set to zero
-#: (up to 41 parts of 144 inputs) rev 0.66 -> 0.28 ms, markowitz 0.27 -> 0.21 ms, compile 4.3 ->
-#: 0.9 s (0.20 / 0.37 ms); ``jnp.pad`` edges fwd 1.28 -> 0.12 ms, rev 0.55 -> 0.12 ms (0.12 / 0.17);
-#: periodic (``jnp.roll`` only) markowitz 0.38 -> 0.21 ms but fwd 0.85 -> 1.6 ms and rev 0.80 -> 3.6 ms
-#: (5.2 / 8.9 ms): there XLA:CPU fuses the primal's eight steps (all cheap elementwise operations
+#: (up to 41 parts of 144 inputs) rev 0.66 -> 0.28 ms, markowitz 0.27 -> 0.21 ms, compile 4.5 ->
+#: 0.9 s (0.20 / 0.37 ms); ``jnp.pad`` edges fwd 1.26 -> 0.12 ms, rev 0.55 -> 0.12 ms (0.12 / 0.17);
+#: periodic (``jnp.roll`` only) markowitz 0.38 -> 0.21 ms but fwd 0.92 -> 1.5 ms and rev 0.81 -> 3.5 ms
+#: (5.1 / 8.6 ms): there XLA:CPU fuses the primal's eight steps (all cheap elementwise operations
 #: and slices) into the kernel that scales the dense block, recomputing them for each of its
 #: 14,400 entries. Parts that are slices and pads (a periodic 1-D stencil's rolls) stay up to
 #: :data:`MAX_PARTS`.
