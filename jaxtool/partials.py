@@ -1838,24 +1838,24 @@ MAX_RUNS = 8
 def _runs(flat: np.ndarray, limit: int) -> Optional[list]:
     """The 1-D NumPy index ``flat`` (-1: zero) as runs ``(first, step, length)``: consecutive elements
     (step 1), one element repeated (step 0), or zeros (``first`` -1, step 0); None where they are
-    more than ``limit``."""
+    more than ``limit``. Cut greedily from the left: a run goes on while its step does."""
     steps = np.diff(flat)
     if np.count_nonzero((steps != 0) & (steps != 1)) >= limit:  # (each such step starts a run)
         return None
-    runs = []
-    for i in flat.tolist():
-        if runs:
-            first, step, length = runs[-1]
-            last = first + step * (length - 1)
-            if i == last and (step == 0 or length == 1):
-                runs[-1] = (first, 0, length + 1)
-                continue
-            if i >= 0 and first >= 0 and i == last + 1 and (step == 1 or length == 1):
-                runs[-1] = (first, 1, length + 1)
-                continue
-        runs.append((i, 1, 1))
-        if len(runs) > limit:
+    ends = {0: np.flatnonzero(steps != 0), 1: np.flatnonzero(steps != 1)}  # where a run of each step stops
+    runs, start, n = [], 0, len(flat)
+    while start < n:
+        if len(runs) == limit:
             return None
+        first = int(flat[start])
+        step = int(steps[start]) if start < n - 1 else -1
+        last = start
+        if step == 0 or (step == 1 and first >= 0):
+            stops = ends[step]
+            k = int(np.searchsorted(stops, start))
+            last = int(stops[k]) if k < len(stops) else n - 1
+        runs.append((first, step if last > start else 1, last - start + 1))
+        start = last + 1
     return runs
 
 
@@ -2188,7 +2188,17 @@ def _gathered_part_limit(n_in: int) -> int:
 def _sliced(index: np.ndarray, out_shape: tuple, in_shape: tuple) -> bool:
     """Whether a selection by ``index`` (flat) is taken by slices and pads, not a ``gather``
     (:func:`_take_or_zero`)."""
-    return _runs(index, MAX_RUNS) is not None or _windows(index.reshape(out_shape), in_shape) is not None
+    return _pieces(index, out_shape, in_shape) is not None
+
+
+def _pieces(index: np.ndarray, out_shape: tuple, in_shape: tuple) -> Optional[int]:
+    """How many slices :func:`_take_or_zero` takes a selection by ``index`` (flat) as: its runs, or
+    else its windows; None where it is a ``gather``."""
+    runs = _runs(index, MAX_RUNS)
+    if runs is not None:
+        return len(runs)
+    windows = _windows(index.reshape(out_shape), in_shape)
+    return None if windows is None else len(windows[2])
 
 
 def _has_parts(x: Partial) -> bool:
@@ -2288,13 +2298,14 @@ def selection_from_index(out_shape, in_shape, index: np.ndarray, dtype) -> Linea
 
 
 def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None) -> Optional[tuple]:
-    """Scaled selections with known indices (no two equal) re-cut into the fewest whose sum is the
-    same map: the k-th entry of each output element (ordered by input element) goes to the k-th
-    selection, entries that several terms share added. That is as many as any output element has
-    entries (a band of shifts: its width, however the terms were cut, e.g. by ``jnp.roll``'s
-    slices), and the same cut for the same pattern, so later sums merge them again. ``terms``
-    themselves where they are already that few; None if more are needed than a sum keeps
-    (:data:`MAX_PARTS`).
+    """Scaled selections with known indices (no two equal) re-cut into few whose sum is the same map,
+    entries that several terms share added: one per offset where that is at most twice the fewest
+    and each a few runs (:func:`_cut_by_offset`: a 1-D stencil's shifts); else the fewest, the
+    k-th entry of each output element (ordered by input element) to the k-th selection, as many as
+    any output element has entries (a band of shifts: its width, however the terms were cut, e.g.
+    by ``jnp.roll``'s slices). Either is the same cut for the same pattern, so later sums merge them
+    again. ``terms`` themselves where they are already the fewest; None if more are needed than a
+    sum keeps (:data:`MAX_PARTS`).
     Returns ``(selections, stacked)``, ``stacked`` their scales computed together (see
     :attr:`Linear.stacked`) or None. ``scales_of_terms()``: see :func:`sum_of_selections`."""
     out_shape, in_shape = terms[0].out_shape, terms[0].in_shape
@@ -2311,12 +2322,16 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
     if as_given:
         cut = index
     else:
-        cut = np.full((count, n_out), -1)
-        cut[rank, entry_rows] = entries % n_in
+        part, cut = _cut_by_offset(entry_rows, entries % n_in, count, out_shape, in_shape)
+        if cut is None:
+            part = rank
+            cut = np.full((count, n_out), -1)
+            cut[rank, entry_rows] = entries % n_in
     if len(cut) > _gathered_part_limit(n_in) and not all(_sliced(c, out_shape, in_shape) for c in cut):
         return None
     if as_given:
         return list(terms), None
+    count = len(cut)
     scaled = any(t.has_scale for t in terms) or len(entries) < len(term)
     if any(t.abstract for t in terms):  # their plans (no maps made: a Markowitz order costs many)
         return [Linear(out_shape, in_shape, np.dtype(dtype), has_scale=scaled, selection=True,
@@ -2324,19 +2339,37 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
     parts = [selection_from_index(out_shape, in_shape, cut[k].reshape(out_shape), dtype) for k in range(count)]
     if not scaled:
         return parts, None
-    # each entry's scale into its place (rank, row) of the stacked scales of the new selections
-    place = rank[slot.reshape(-1)] * n_out + row
+    # each entry's scale into its place (part, row) of the stacked scales of the new selections
     scales = _concatenated_scales(terms, dtype) if scales_of_terms is None else cast(scales_of_terms(), dtype)
-    if len(term) < index.size:  # some terms select nothing for some output elements
-        scales = _take(scales, term * n_out + row, axis=0)
-    if len(entries) == len(term):  # every place filled once: a gather
-        source = np.full(count * n_out, -1)
-        source[place] = np.arange(len(term))
-        stacked = _take_or_zero(scales, source, axis=0)
-    else:
-        stacked = jnp.zeros(count * n_out, dtype).at[place].add(scales)
+    stacked = _placed(scales, part[slot.reshape(-1)], row, term, count, n_out, dtype)
     scales = lax.split(stacked, (n_out,) * count)  # one equation, not a slice and a squeeze per part
     return [replace(p, has_scale=True, scale=reshaped(s, out_shape)) for s, p in zip(scales, parts)], stacked
+
+
+def _cut_by_offset(rows: np.ndarray, inputs: np.ndarray, fewest: int, out_shape: tuple, in_shape: tuple) -> tuple:
+    """The entries ``(rows, inputs)`` of a sum of selections cut into one selection per offset
+    ``input - row`` (modulo the size where input and output have as many elements: a roll's entries
+    are one offset): ``(part of each entry, index of each part)``, or ``(None, None)`` where that
+    takes more than twice the ``fewest`` selections, some of them are more than a few runs
+    (:func:`_runs`), or the scales are small (:data:`SLICED_SCALES`). A 1-D stencil's shifts stay
+    one selection each, and their scales whole rows of the terms' (:func:`_placed`); cut by rank
+    (:func:`_fewest_selections`) the k-th entries of a periodic or bounded band mix shifts from row
+    to row. (On a 2-D grid a shift is a window, not runs; cut by offset there, 8 parts of 256 dense
+    and fast became up to 61 windows, each sliced and padded: 5 steps of a 16x16 wave 1.5x slower.)"""
+    n_out, n_in = _size(out_shape), _size(in_shape)
+    if not len(rows) or fewest * n_out < SLICED_SCALES:
+        return None, None
+    offset = inputs - rows
+    if n_in == n_out:
+        offset = offset % n_in
+    offsets, part = np.unique(offset, return_inverse=True)
+    if len(offsets) > min(2 * fewest, _part_limit(n_in)):
+        return None, None
+    cut = np.full((len(offsets), n_out), -1)
+    cut[part, rows] = inputs
+    if not all(_runs(c, MAX_RUNS) is not None for c in cut):
+        return None, None
+    return part, cut
 
 
 def _diag_as_selection(x: Sparse) -> Linear:
@@ -2400,7 +2433,9 @@ def _distributed(b: Partial, a: Partial) -> Optional[tuple]:
         if summed is None:  # more parts than a sum keeps: every product's entries into one dense block
             if concrete or a.abstract or b.abstract:
                 return _dense_sum([s for some in selections for s in some], dtype), total + adds
-            row, entry, values = _pair_entries(b, a, b_terms, a_terms, dtype)
+            row, entry, values, pairs = _pair_entries(b, a, b_terms, a_terms, dtype)
+            if pairs is not None:  # (every pair's every output element: those of the entries)
+                values = _take(reshaped(values, (_size(values.shape),)), pairs * _size(b.out_shape) + row, 0)
             dense = _scattered(row, entry, values, (_size(b.out_shape), _size(a.in_shape)), dtype)
             plan = _dense_sum([s.plan() for some in selections for s in some], dtype)
             return replace(plan, val=dense.reshape(plan.shape)), total + adds
@@ -2448,7 +2483,7 @@ def _selection_products(b, a, b_terms, a_terms, summed: Linear, dtype) -> Option
     n_out, n_in = _size(out_shape), _size(in_shape)
     values, stacked = [], None
     if scaled == {True}:
-        row, entry, scales = _pair_entries(b, a, b_terms, a_terms, dtype)
+        row, entry, scales, pairs = _pair_entries(b, a, b_terms, a_terms, dtype)
         if not len(row):
             return None
         # each entry's place: the first part of ``summed`` holding its (row, input) pair
@@ -2460,13 +2495,7 @@ def _selection_products(b, a, b_terms, a_terms, summed: Linear, dtype) -> Option
         found = np.searchsorted(slot_key[by_key], keys)
         if np.any(found >= len(by_key)) or not np.array_equal(slot_key[by_key][np.minimum(found, len(by_key) - 1)], keys):
             return None
-        place = (slot_part * n_out + slot_row)[by_key][found]
-        if len(np.unique(place)) == len(place):
-            source = np.full(len(parts) * n_out, -1)
-            source[place] = np.arange(len(place))
-            stacked = _take_or_zero(scales, source, axis=0)
-        else:
-            stacked = jnp.zeros(len(parts) * n_out, dtype).at[place].add(scales)
+        stacked = _placed(scales, slot_part[by_key][found], row, pairs, len(parts), n_out, dtype)
         values = lax.split(stacked, (n_out,) * len(parts)) if len(parts) > 1 else [stacked]
     built = []
     for k, p in enumerate(parts):  # each planned part with its map (and scale)
@@ -2476,26 +2505,121 @@ def _selection_products(b, a, b_terms, a_terms, summed: Linear, dtype) -> Option
     return built[0] if len(built) == 1 else _sum_of_parts(tuple(built), dtype, stacked)
 
 
+#: the scales of sums of selections with at least this many values (all parts together) are moved by
+#: slices where they can be (:func:`_cut_by_offset`, :func:`_placed`, :func:`_pair_entries`): XLA:CPU
+#: gathers element by element, and fuses the gather with the chain that made its operand. Four steps
+#: of a 21-shift periodic stencil (one CPU; all scales gathered -> this): on 300 points fwd 4.9 ->
+#: 2.6 ms, rev 6.3 -> 3.8 ms (compile 24 -> 17 s), on 1000 points fwd 13.7 -> 7.9 ms, rev 18.6 ->
+#: 11.1 ms (``jax.jacfwd`` 162 ms). Smaller ones are gathered: one equation, not a few slices and
+#: their concatenation (with no limit, 20 steps of 1-D diffusion on 64 points staged 27,000
+#: equations in Markowitz order instead of 14,000).
+SLICED_SCALES = 1 << 12
+
+
+#: the most terms one new selection's scale may be added up from for :func:`_placed` to take them
+#: as whole rows
+PLACED_LAYERS = 4
+
+
+def _placed(values, part: np.ndarray, row: np.ndarray, term: Optional[np.ndarray], count: int, n_out: int, dtype):
+    """The stacked scales ``(count * n_out,)`` of ``count`` new selections, entry ``e``'s value added
+    at ``(part[e], row[e])``: ``values[term[e], row[e]]`` where ``term`` is given (``values`` of shape
+    ``(terms, n_out)``, or flat), else ``values[e]``. An entry keeps its output element (row), so with
+    ``term`` each selection's scale is the sum of a few terms' rows, masked where they select
+    nothing for it: taken as whole rows, by slices (where every layer's rows are a few runs,
+    :func:`_take_or_zero`), one layer per term a selection adds up (at most :data:`PLACED_LAYERS`),
+    no element-wise ``gather`` or scatter; else entry by entry."""
+    if not len(part):
+        return lax.full((count * n_out,), 0, dtype)
+    if term is not None:
+        n_terms = _size(values.shape) // n_out
+        pairs, of_pair = np.unique(part * n_terms + term, return_inverse=True)  # by part, then term
+        pair_part, pair_term = pairs // n_terms, pairs % n_terms
+        layer = np.arange(len(pairs)) - np.searchsorted(pair_part, pair_part)  # a part's k-th term
+        picked = np.full((int(layer.max(initial=0)) + 1, count), -1)
+        picked[layer, pair_part] = pair_term
+        if (count * n_out >= SLICED_SCALES and len(picked) <= PLACED_LAYERS
+                and all(_runs(picks, MAX_RUNS) is not None for picks in picked)):
+            rows, stacked = reshaped(values, (n_terms, n_out)), None
+            for k, picks in enumerate(picked):
+                mask = np.zeros((count, n_out), bool)
+                mine = layer[of_pair.reshape(-1)] == k
+                mask[part[mine], row[mine]] = True
+                taken = _take_or_zero(rows, picks, axis=0)
+                if not mask[picks >= 0].all():
+                    taken = _zero_unless(mask, taken)
+                stacked = taken if stacked is None else stacked + taken
+            return reshaped(stacked, (count * n_out,))
+    values = reshaped(values, (_size(values.shape),))
+    at = np.arange(len(part)) if term is None else term * n_out + row  # each entry's value in ``values``
+    place = part * n_out + row
+    if len(np.unique(place)) == len(place):  # every place filled once: a gather
+        source = np.full(count * n_out, -1)
+        source[place] = at
+        return _take_or_zero(values, source, axis=0)
+    return jnp.zeros(count * n_out, dtype).at[place].add(_take(values, at, axis=0))
+
+
+#: the most slices (:func:`_pieces`) the selections of one side of a product of sums of selections
+#: may take together for the other side's scales to be taken through them (:func:`_pair_entries`)
+#: instead of by one ``gather``
+PAIR_PIECES = 2 * MAX_RUNS
+
+
 def _pair_entries(b, a, b_terms, a_terms, dtype) -> tuple:
     """The entries of the products of every pair of scaled selections (or permuted diagonals)
-    ``b_terms[i] o a_terms[j]``: ``(rows, inputs, values)``, the flat output and input element of
-    each, and its value, traced at once: one gather of each side's stacked scales, one product."""
+    ``b_terms[i] o a_terms[j]``: ``(rows, inputs, values, pairs)``, the flat output and input element
+    of each, and the values, traced at once. A pair's values are ``b_terms[i]``'s scale
+    times ``a_terms[j]``'s taken through ``b_terms[i]``'s selection. Where that is a few slices and
+    pads for every ``i`` (a roll, a shift, a stencil's box; :data:`PAIR_PIECES` in all), or ``a_terms``
+    have no scales, ``values`` is every pair's every output element, laid out ``(i, j, row)`` (any
+    value where the pair selects nothing; 2-D, one row per pair), ``pairs`` each entry's pair
+    ``i * len(a_terms) + j``, and
+    no ``gather`` is traced; else ``values`` is the entries' only, in order, ``pairs`` None: one
+    gather of each side's stacked scales."""
     bs, as_ = [_as_selection(t) for t in b_terms], [_as_selection(t) for t in a_terms]
-    n_out, n_mid = _size(bs[0].out_shape), _size(bs[0].in_shape)
+    out_shape, mid_shape = tuple(bs[0].out_shape), tuple(bs[0].in_shape)
+    n_out, n_mid = _size(out_shape), _size(mid_shape)
     b_index = np.stack([t.index.reshape(-1) for t in bs])  # (k_b, n_out), into the middle
     a_index = np.stack([t.index.reshape(-1) for t in as_])  # (k_a, n_mid), into the input
     k_b, k_a = len(bs), len(as_)
     middle = np.broadcast_to(b_index[:, None, :], (k_b, k_a, n_out))
-    read = np.arange(k_a)[None, :, None] * n_mid + np.maximum(middle, 0)  # into stacked a scales
     entry = np.where(middle >= 0, a_index[np.arange(k_a)[None, :, None], np.maximum(middle, 0)], -1)
     entry = entry.reshape(k_b * k_a, n_out)  # per pair (i, j), as term i * k_a + j
     term, row = np.nonzero(entry >= 0)
     if not len(term):
-        return row, entry[term, row], None
-    a_scales, b_scales = _stacked_scales(a, as_, dtype), _stacked_scales(b, bs, dtype)
+        return row, entry[term, row], None, None
+    b_scaled, a_scaled = any(t.has_scale for t in bs), any(t.has_scale for t in as_)
+    pieces = 0 if not a_scaled or k_b * k_a * n_out >= SLICED_SCALES else PAIR_PIECES + 1
+    for i in b_index if a_scaled and pieces == 0 else ():
+        pieces += _pieces(i, out_shape, mid_shape) or PAIR_PIECES + 1
+        if pieces > PAIR_PIECES:
+            break
+    if pieces <= PAIR_PIECES:
+        every = (k_b * k_a, n_out)
+        values = None
+        if a_scaled:
+            a_rows = reshaped(_stacked_scales(a, as_, dtype), (k_a, n_mid))
+            taken = [_take_or_zero(a_rows, i, 1, (mid_shape, out_shape)) for i in b_index]
+            values = taken[0] if k_b == 1 else lax.concatenate(taken, 0)
+        if b_scaled:
+            b_scales = _stacked_scales(b, bs, dtype)
+            if k_a == 1:
+                b_rows = reshaped(b_scales, every)
+            elif k_b == 1:
+                b_rows = lax.broadcast_in_dim(b_scales, every, (1,))
+            else:
+                b_rows = lax.broadcast_in_dim(reshaped(b_scales, (k_b, n_out)), (k_b, k_a, n_out), (0, 2))
+                b_rows = reshaped(b_rows, every)
+            values = b_rows if values is None else values * b_rows
+        if values is None:
+            values = lax.full(every, 1, dtype)
+        return row, entry[term, row], values, term
+    read = np.arange(k_a)[None, :, None] * n_mid + np.maximum(middle, 0)  # into stacked a scales
     flat_read = read.reshape(-1)[term * n_out + row]
+    a_scales, b_scales = _stacked_scales(a, as_, dtype), _stacked_scales(b, bs, dtype)
     values = _take(a_scales, flat_read, axis=0) * _take(b_scales, (term // k_a) * n_out + row, axis=0)
-    return row, entry[term, row], values
+    return row, entry[term, row], values, None
 
 
 def _stacked_scales(x: Partial, terms, dtype):
