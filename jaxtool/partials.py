@@ -2508,11 +2508,10 @@ def _selection_products(b, a, b_terms, a_terms, summed: Linear, dtype) -> Option
 #: the scales of sums of selections with at least this many values (all parts together) are moved by
 #: slices where they can be (:func:`_cut_by_offset`, :func:`_placed`, :func:`_pair_entries`): XLA:CPU
 #: gathers element by element, and fuses the gather with the chain that made its operand. Four steps
-#: of a 21-shift periodic stencil (one CPU; all scales gathered -> this): on 300 points fwd 4.9 ->
-#: 2.6 ms, rev 6.3 -> 3.8 ms (compile 24 -> 17 s), on 1000 points fwd 13.7 -> 7.9 ms, rev 18.6 ->
-#: 11.1 ms (``jax.jacfwd`` 162 ms). Smaller ones are gathered: one equation, not a few slices and
-#: their concatenation (with no limit, 20 steps of 1-D diffusion on 64 points staged 27,000
-#: equations in Markowitz order instead of 14,000).
+#: of a 21-shift periodic stencil on 300 points (one CPU; all scales gathered -> this): fwd 4.9 ->
+#: 2.6 ms, rev 6.3 -> 3.8 ms (its first call 24 -> 17 s). Smaller ones are gathered: one equation,
+#: not a few slices and their concatenation (with no limit, 20 steps of 1-D diffusion on 64 points
+#: staged 27,000 equations in Markowitz order instead of 14,000).
 SLICED_SCALES = 1 << 12
 
 
