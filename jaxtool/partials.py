@@ -2571,11 +2571,10 @@ def _pair_entries(b, a, b_terms, a_terms, dtype) -> tuple:
     of each, and the values, traced at once. A pair's values are ``b_terms[i]``'s scale
     times ``a_terms[j]``'s taken through ``b_terms[i]``'s selection. Where that is a few slices and
     pads for every ``i`` (a roll, a shift, a stencil's box; :data:`PAIR_PIECES` in all), or ``a_terms``
-    have no scales, ``values`` is every pair's every output element, laid out ``(i, j, row)`` (any
-    value where the pair selects nothing; 2-D, one row per pair), ``pairs`` each entry's pair
-    ``i * len(a_terms) + j``, and
-    no ``gather`` is traced; else ``values`` is the entries' only, in order, ``pairs`` None: one
-    gather of each side's stacked scales."""
+    have no scales, ``values`` is every pair's every output element, one row per pair ``(i, j)``
+    (any value where the pair selects nothing), ``pairs`` each entry's pair ``i * len(a_terms) + j``,
+    and no ``gather`` is traced (:data:`SLICED_SCALES` and up); else ``values`` is the entries'
+    only, in order, ``pairs`` None: one gather of each side's stacked scales."""
     bs, as_ = [_as_selection(t) for t in b_terms], [_as_selection(t) for t in a_terms]
     out_shape, mid_shape = tuple(bs[0].out_shape), tuple(bs[0].in_shape)
     n_out, n_mid = _size(out_shape), _size(mid_shape)
@@ -2589,12 +2588,15 @@ def _pair_entries(b, a, b_terms, a_terms, dtype) -> tuple:
     if not len(term):
         return row, entry[term, row], None, None
     b_scaled, a_scaled = any(t.has_scale for t in bs), any(t.has_scale for t in as_)
-    pieces = 0 if not a_scaled or k_b * k_a * n_out >= SLICED_SCALES else PAIR_PIECES + 1
-    for i in b_index if a_scaled and pieces == 0 else ():
-        pieces += _pieces(i, out_shape, mid_shape) or PAIR_PIECES + 1
-        if pieces > PAIR_PIECES:
-            break
-    if pieces <= PAIR_PIECES:
+    sliced = not a_scaled  # (no scales of ``a`` to take)
+    if a_scaled and k_b * k_a * n_out >= SLICED_SCALES:
+        pieces = 0
+        for i in b_index:
+            pieces += _pieces(i, out_shape, mid_shape) or PAIR_PIECES + 1
+            if pieces > PAIR_PIECES:
+                break
+        sliced = pieces <= PAIR_PIECES
+    if sliced:
         every = (k_b * k_a, n_out)
         values = None
         if a_scaled:
