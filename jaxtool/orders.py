@@ -8,7 +8,8 @@ numbers into a validated list.
 - ``fwd`` / ``forward``: ascending vertex numbers.
 - ``rev`` / ``reverse``: descending vertex numbers.
 - ``markowitz``: greedy; next, the vertex whose elimination costs the fewest multiplications now
-  (structured partials, so sizes count), ties by the lowest number.
+  (structured partials, so sizes count), ties by the fewest new edges (predecessors times
+  successors), then by the lowest number.
 """
 
 from __future__ import annotations
@@ -44,17 +45,28 @@ def markowitz(problem) -> list:
     graph = problem.graph.plan()
     remaining = set(problem.eliminable)
     memo: dict = {}
-    costs = {v: graph.elimination_cost(v, memo, sums=False).mults for v in remaining}  # (sums cost no mults)
+    keys = {v: _markowitz_key(graph, v, memo) for v in remaining}
     order = []
     while remaining:
-        v = min(remaining, key=lambda u: (costs[u], u))
+        v = min(remaining, key=keys.__getitem__)
         touched = graph.neighbours(v)
         graph.eliminate(v)
         remaining.discard(v)
         order.append(v)
         for u in touched & remaining:
-            costs[u] = graph.elimination_cost(u, memo, sums=False).mults
+            keys[u] = _markowitz_key(graph, u, memo)
     return order
+
+
+def _markowitz_key(graph, v: int, memo: dict) -> tuple:
+    """What :func:`markowitz` minimises: the multiplications that eliminating ``v`` costs now (sums
+    cost none), then the edges it makes (its predecessors times its successors: the classical
+    Markowitz count), then its number. Structural partials (slices, pads, reshapes, scatters) cost
+    no multiplications, so many vertices tie at zero; taken by number, a stencil's steps merged
+    their selections into wide sums first: 20 steps of a 64-point heat equation cost 912,887
+    multiplications (``fwd``: 151,032), taken by fewest edges 66,160."""
+    degree = len(graph.preds.get(v, {})) * len(graph.succs.get(v, {}))
+    return graph.elimination_cost(v, memo, sums=False).mults, degree, v
 
 
 def parse_order(text: str):
