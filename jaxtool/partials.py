@@ -2161,6 +2161,20 @@ def _full_scale(part: Linear, dtype):
 MAX_PARTS = 64
 
 
+#: A sum of scaled selections whose dense block has at most :data:`SMALL_MAP` entries keeps at most
+#: :data:`SMALL_MAP_PARTS` parts, or a sixteenth of its input elements where that is more, and is
+#: formed dense beyond: each part costs its own equations in every product and sum, where the dense
+#: block is one array of at most 16 times the parts' values (a 4-element edge of a 1024-point roll
+#: stays 9 parts, not 4096 entries). Twenty steps of a nonlinear 1-D heat equation on 64 points with
+#: a copied edge (bands of up to 41 shifts, cut at the edges) took 0.96 ms a call in ``fwd`` and
+#: 0.80 ms in ``rev`` with up to :data:`MAX_PARTS` parts, first calls 8.6 and 7.3 s; with these
+#: limits 0.05 and 0.11 ms, 0.9 and 1.1 s (``jax.jacfwd`` / ``jax.jacrev``: 0.07 and 0.11 ms, 0.65
+#: s; one CPU). On 128 points (16,384 entries) dense blocks helped ``fwd`` and ``rev`` there but
+#: made ``markowitz`` 2x slower on it and ``rev`` 1.7x slower on 1-D Burgers: hence 4096.
+SMALL_MAP_PARTS = 4
+SMALL_MAP = 1 << 12
+
+
 def _part_limit(n_in: int) -> int:
     """The most parts a sum of scaled selections from ``n_in`` input elements keeps (see :data:`MAX_PARTS`)."""
     return max(MAX_PARTS, n_in // 4)
@@ -2305,7 +2319,7 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
     any output element has entries (a band of shifts: its width, however the terms were cut, e.g.
     by ``jnp.roll``'s slices). Either is the same cut for the same pattern, so later sums merge them
     again. ``terms`` themselves where they are already the fewest; None if more are needed than a
-    sum keeps (:data:`MAX_PARTS`).
+    sum keeps (:data:`MAX_PARTS`, :data:`SMALL_MAP_PARTS`).
     Returns ``(selections, stacked)``, ``stacked`` their scales computed together (see
     :attr:`Linear.stacked`) or None. ``scales_of_terms()``: see :func:`sum_of_selections`."""
     out_shape, in_shape = terms[0].out_shape, terms[0].in_shape
@@ -2316,7 +2330,7 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
     entry_rows = entries // n_in
     rank = np.arange(len(entries)) - np.searchsorted(entry_rows, entry_rows)
     count = int(rank.max(initial=0)) + 1
-    if count > _part_limit(n_in):
+    if count > _part_limit(n_in) or (n_out * n_in <= SMALL_MAP and count > max(SMALL_MAP_PARTS, n_in // 16)):
         return None
     as_given = count >= len(terms) and len(entries) == len(term)  # as few already, no entry shared
     if as_given:

@@ -1940,17 +1940,17 @@ def test_markowitz_is_the_greedy_order_costed_from_scratch_at_each_step():
 
 
 def test_markowitz_breaks_ties_at_zero_cost_by_the_fewest_new_edges():
-    # a heat equation's steps (16 points, 6 steps, a copied edge): its slices and scatters cost no
+    # a heat equation's steps (80 points, 6 steps, a copied edge): its slices and scatters cost no
     # multiplications, so many vertices tie at zero. Taken by number, the steps' selections merged into
-    # wide sums first and the order cost 7149 multiplications (fwd: 3136, rev: 3424); taken by the
-    # fewest predecessors times successors, it is cheaper than both, and still exact
+    # wide sums first and the order cost 37,293 multiplications (fwd: 82,680, rev: 17,120); taken by
+    # the fewest predecessors times successors (9,656), it is cheaper than both, and still exact
     def heat(u):
         for _ in range(6):
             u = u.at[1:-1].add(0.2 * (u[:-2] - 2 * u[1:-1] + u[2:]) - 0.01 * u[1:-1] ** 3)
             u = u.at[-1].set(u[-2])
         return u
 
-    u = jnp.sin(jnp.linspace(0.0, 3.0, 16))
+    u = jnp.sin(jnp.linspace(0.0, 3.0, 80))
     problem = trace_problem(heat, u)
     fwd, rev, markowitz = (run(problem.plan(), resolve_order(o, problem)).mults for o in ("fwd", "rev", "markowitz"))
     assert markowitz < min(fwd, rev)
@@ -2703,12 +2703,12 @@ def test_dense_blocks_taken_through_rolls_and_pads_of_a_grid_are_sliced_not_gath
 
 
 def test_sums_of_gathered_selections_are_dense_beyond_a_few_parts():
-    # Parts taken by gathers (random permutations) are kept up to GATHERED_PARTS (8 here: 64 inputs),
+    # Parts taken by gathers (random permutations) are kept up to GATHERED_PARTS (8 here: 128 inputs),
     # parts that are slices (rolls) up to MAX_PARTS; the products and sums of gathered parts gather
     # their entries one by one, slower and longer to compile than the dense block (a 12x12 diffusion
     # with set edges: 0.66 ms and 4.3 s in rev order with up to 41 parts, 0.28 ms and 0.9 s dense)
     rng = np.random.default_rng(4)
-    n, scale = 64, jnp.asarray(rng.standard_normal(64), jnp.float32)
+    n, scale = 128, jnp.asarray(rng.standard_normal(128), jnp.float32)
 
     def scaled(index):
         part = partials.selection_from_index((n,), (n,), index, np.float32)
@@ -2722,6 +2722,28 @@ def test_sums_of_gathered_selections_are_dense_beyond_a_few_parts():
     assert kept is not None and len(kept.parts) == 10
     t = jnp.asarray(rng.standard_normal(n), jnp.float32)
     np.testing.assert_allclose(kept.apply(t), sum(p.apply(t) for p in rolled), rtol=1e-5, atol=1e-5)
+
+
+def test_sums_of_selections_on_small_maps_are_dense_beyond_four_parts():
+    # A map of at most SMALL_MAP entries (32 x 32 here) keeps at most SMALL_MAP_PARTS parts (or n_in / 16):
+    # each part costs equations in every product and sum, the dense block one array (20 steps of a
+    # 64-point heat equation: 0.94 ms a call in fwd with bands of up to 41 parts, 0.05 ms dense)
+    n = 32
+    scale = jnp.linspace(0.5, 1.5, n, dtype=jnp.float32)
+    rolled = [dataclasses.replace(partials.selection_from_index((n,), (n,), np.roll(np.arange(n), k), np.float32),
+                                  has_scale=True, scale=scale) for k in range(5)]
+    assert len(partials.sum_of_selections(rolled[:4], np.float32).parts) == 4
+    assert partials.sum_of_selections(rolled, np.float32) is None
+
+    def heat(u):  # bands of up to 13 shifts, cut at the edges
+        for _ in range(6):
+            u = u.at[1:-1].add(0.2 * (u[:-2] - 2 * u[1:-1] + u[2:]) - 0.01 * u[1:-1] ** 3)
+            u = u.at[-1].set(u[-2])
+        return u
+
+    u = jnp.sin(jnp.linspace(0.0, 3.0, n))
+    for order in ("fwd", "rev", "markowitz"):
+        np.testing.assert_allclose(jaxtool.jacve(heat, order)(u), jax.jacrev(heat)(u), rtol=1e-5, atol=1e-6)
 
 
 def _periodic_stencil(u):
