@@ -2161,16 +2161,16 @@ def _full_scale(part: Linear, dtype):
 MAX_PARTS = 64
 
 
-#: A sum of scaled selections whose dense block has at most :data:`SMALL_MAP` entries keeps at most
-#: :data:`SMALL_MAP_PARTS` parts, or a sixteenth of its input elements where that is more, and is
-#: formed dense beyond: each part costs its own equations in every product and sum, where the dense
-#: block is one array of at most 16 times the parts' values (a 4-element edge of a 1024-point roll
-#: stays 9 parts, not 4096 entries). Twenty steps of a nonlinear 1-D heat equation on 64 points with
-#: a copied edge (bands of up to 41 shifts, cut at the edges) took 0.96 ms a call in ``fwd`` and
-#: 0.80 ms in ``rev`` with up to :data:`MAX_PARTS` parts, first calls 8.6 and 7.3 s; with these
-#: limits 0.05 and 0.11 ms, 0.9 and 1.1 s (``jax.jacfwd`` / ``jax.jacrev``: 0.07 and 0.11 ms, 0.65
-#: s; one CPU). On 128 points (16,384 entries) dense blocks helped ``fwd`` and ``rev`` there but
-#: made ``markowitz`` 2x slower on it and ``rev`` 1.7x slower on 1-D Burgers: hence 4096.
+#: A sum of scaled selections between few elements (at most 64 inputs and 64 outputs: the square of
+#: the larger at most :data:`SMALL_MAP`) keeps at most :data:`SMALL_MAP_PARTS` parts and is formed
+#: dense beyond: each part costs its own equations in every product and sum, where the dense block
+#: is one array. Twenty steps of a nonlinear 1-D heat equation on 64 points with a copied edge
+#: (bands of up to 41 shifts, cut at the edges) took 0.96 ms a call in ``fwd`` and 0.80 ms in
+#: ``rev`` with up to :data:`MAX_PARTS` parts, first calls 8.6 and 7.3 s; with these limits 0.05 and
+#: 0.11 ms, 0.9 and 1.1 s (``jax.jacfwd`` / ``jax.jacrev``: 0.07 and 0.11 ms, 0.65 s; one CPU). Both
+#: sizes count: the few elements at the edge of a roll of many points (8 of 360) meet many parts,
+#: and formed dense there, they made the whole band dense. On 128 points dense blocks helped ``fwd``
+#: and ``rev`` there but made ``markowitz`` 2x slower on it and ``rev`` 1.7x slower on 1-D Burgers.
 SMALL_MAP_PARTS = 4
 SMALL_MAP = 1 << 12
 
@@ -2330,7 +2330,7 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
     entry_rows = entries // n_in
     rank = np.arange(len(entries)) - np.searchsorted(entry_rows, entry_rows)
     count = int(rank.max(initial=0)) + 1
-    if count > _part_limit(n_in) or (n_out * n_in <= SMALL_MAP and count > max(SMALL_MAP_PARTS, n_in // 16)):
+    if count > _part_limit(n_in) or (max(n_out, n_in) ** 2 <= SMALL_MAP and count > SMALL_MAP_PARTS):
         return None
     as_given = count >= len(terms) and len(entries) == len(term)  # as few already, no entry shared
     if as_given:

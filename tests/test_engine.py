@@ -2725,9 +2725,10 @@ def test_sums_of_gathered_selections_are_dense_beyond_a_few_parts():
 
 
 def test_sums_of_selections_on_small_maps_are_dense_beyond_four_parts():
-    # A map of at most SMALL_MAP entries (32 x 32 here) keeps at most SMALL_MAP_PARTS parts (or n_in / 16):
-    # each part costs equations in every product and sum, the dense block one array (20 steps of a
-    # 64-point heat equation: 0.94 ms a call in fwd with bands of up to 41 parts, 0.05 ms dense)
+    # A map between few elements (the square of the larger size at most SMALL_MAP: 32 x 32 here) keeps
+    # at most SMALL_MAP_PARTS parts: each part costs equations in every product and sum, the dense block
+    # one array (20 steps of a 64-point heat equation: 0.94 ms a call in fwd with bands of up to 41
+    # parts, 0.05 ms dense)
     n = 32
     scale = jnp.linspace(0.5, 1.5, n, dtype=jnp.float32)
     rolled = [dataclasses.replace(partials.selection_from_index((n,), (n,), np.roll(np.arange(n), k), np.float32),
