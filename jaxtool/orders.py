@@ -63,8 +63,8 @@ def _markowitz_key(graph, v: int, memo: dict) -> tuple:
     cost none), then the edges it makes (its predecessors times its successors: the classical
     Markowitz count), then its number. Structural partials (slices, pads, reshapes, scatters) cost
     no multiplications, so many vertices tie at zero; taken by number, a stencil's steps merged
-    their selections into wide sums first: 20 steps of a 64-point heat equation cost 912,887
-    multiplications (``fwd``: 151,032), taken by fewest edges 66,160."""
+    their selections into wide sums first: six steps of an 80-point heat equation cost 37,293
+    multiplications (``fwd``: 82,680, ``rev``: 17,120), taken by fewest edges 9,656."""
     degree = len(graph.preds.get(v, {})) * len(graph.succs.get(v, {}))
     return graph.elimination_cost(v, memo, sums=False).mults, degree, v
 
