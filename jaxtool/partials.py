@@ -2333,15 +2333,18 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
     if count > _part_limit(n_in) or (max(n_out, n_in) ** 2 <= SMALL_MAP and count > SMALL_MAP_PARTS):
         return None
     as_given = count >= len(terms) and len(entries) == len(term)  # as few already, no entry shared
+    by_offset = False
     if as_given:
         cut = index
     else:
         part, cut = _cut_by_offset(entry_rows, entries % n_in, count, out_shape, in_shape)
+        by_offset = cut is not None  # (its parts are each a few runs: sliced, no need to check them)
         if cut is None:
             part = rank
             cut = np.full((count, n_out), -1)
             cut[rank, entry_rows] = entries % n_in
-    if len(cut) > _gathered_part_limit(n_in) and not all(_sliced(c, out_shape, in_shape) for c in cut):
+    if not by_offset and len(cut) > _gathered_part_limit(n_in) \
+            and not all(_sliced(c, out_shape, in_shape) for c in cut):
         return None
     if as_given:
         return list(terms), None
