@@ -2161,19 +2161,28 @@ def _full_scale(part: Linear, dtype):
 MAX_PARTS = 64
 
 
-#: A sum of scaled selections between few elements (at most 64 inputs and 64 outputs: the square of
-#: the larger at most :data:`SMALL_MAP`) keeps at most :data:`SMALL_MAP_PARTS` parts and is formed
-#: dense beyond: each part costs its own equations in every product and sum, where the dense block
-#: is one array. Twenty steps of a nonlinear 1-D heat equation on 64 points with a copied edge
-#: (bands of up to 41 shifts, cut at the edges) took 0.96 ms a call in ``fwd`` and 0.80 ms in
-#: ``rev`` with up to :data:`MAX_PARTS` parts, first calls 8.6 and 7.3 s; with these limits 0.05 and
-#: 0.11 ms, 0.9 and 1.1 s (``jax.jacfwd`` / ``jax.jacrev``: 0.07 and 0.11 ms, 0.65 s; one CPU). Both
-#: sizes count: the few elements at the edge of a roll of many points (8 of 360) meet many parts,
-#: and formed dense there, they made the whole band dense. On 128 points dense blocks helped ``fwd``
-#: and ``rev`` there but made ``markowitz`` 2x slower on it and ``rev`` 1.7x slower on 1-D Burgers.
-#: Sums that wrap around (a periodic stencil's rolls, :func:`_wraps`) keep their parts.
+#: A sum of scaled selections between few elements (at most 128 inputs and 128 outputs: the square
+#: of the larger size n at most :data:`SMALL_MAP`) keeps at most :data:`SMALL_MAP_PARTS` parts, or
+#: n / 16 where that is more, and is formed dense beyond: each part costs its own equations in every
+#: product and sum, where the dense block is one array. Twenty steps of a nonlinear 1-D heat equation
+#: on 64 points with a copied edge (bands of up to 41 shifts, cut at the edges) took 0.96 ms a call in
+#: ``fwd`` and 0.80 ms in ``rev`` with up to :data:`MAX_PARTS` parts, first calls 8.6 and 7.3 s; dense
+#: beyond 4 parts 0.05 and 0.11 ms, 0.9 and 1.1 s (``jax.jacfwd`` / ``jax.jacrev``: 0.07 and 0.11
+#: ms, 0.65 s; one CPU). On 128 points, dense beyond 8 parts: ``fwd`` 1.41 -> 0.19 ms, ``rev`` 1.39
+#: -> 0.33 ms, first calls 9.9 -> 2.1 s and 7.8 -> 1.7 s (``jax.jacfwd``: 0.18 ms, 0.6 s), but
+#: ``markowitz`` 0.23 -> 0.30 ms; on 1-D Burgers (6 steps) all three faster, on a damped wave with
+#: ``sin`` ``rev`` 1.2x slower; on 256 points dense beyond 16 parts made ``markowitz`` 1.4x slower
+#: (4x beyond 8). Both sizes count: the few elements at the edge of a roll of many points (8 of 360)
+#: meet many parts, and formed dense there, they made the whole band dense. Sums that wrap around (a
+#: periodic stencil's rolls, :func:`_wraps`) keep their parts.
 SMALL_MAP_PARTS = 4
-SMALL_MAP = 1 << 12
+SMALL_MAP = 1 << 14
+
+
+def _small_map_part_limit(n: int) -> Optional[int]:
+    """The most parts a sum of selections between at most ``n`` elements keeps before it is formed
+    dense (see :data:`SMALL_MAP`), or None where it keeps up to :func:`_part_limit`."""
+    return max(SMALL_MAP_PARTS, n // 16) if n * n <= SMALL_MAP else None
 
 
 def _wraps(rows: np.ndarray, inputs: np.ndarray, out_shape: tuple, in_shape: tuple) -> bool:
@@ -2346,7 +2355,8 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
     entry_rows = entries // n_in
     rank = np.arange(len(entries)) - np.searchsorted(entry_rows, entry_rows)
     count = int(rank.max(initial=0)) + 1
-    if count > _part_limit(n_in) or (max(n_out, n_in) ** 2 <= SMALL_MAP and count > SMALL_MAP_PARTS
+    small = _small_map_part_limit(max(n_out, n_in))
+    if count > _part_limit(n_in) or (small is not None and count > small
                                      and not _wraps(entry_rows, entries % n_in, out_shape, in_shape)):
         return None
     as_given = count >= len(terms) and len(entries) == len(term)  # as few already, no entry shared

@@ -2706,7 +2706,8 @@ def test_sums_of_gathered_selections_are_dense_beyond_a_few_parts():
     # Parts taken by gathers (random permutations) are kept up to GATHERED_PARTS (8 here: 128 inputs),
     # parts that are slices (rolls) up to MAX_PARTS; the products and sums of gathered parts gather
     # their entries one by one, slower and longer to compile than the dense block (a 12x12 diffusion
-    # with set edges: 0.66 ms and 4.3 s in rev order with up to 41 parts, 0.28 ms and 0.9 s dense)
+    # with set edges: 0.66 ms and 4.3 s in rev order with up to 41 parts, 0.28 ms and 0.9 s dense).
+    # (Permutations and rolls wrap around: the rule for small maps, SMALL_MAP, leaves them to this one.)
     rng = np.random.default_rng(4)
     n, scale = 128, jnp.asarray(rng.standard_normal(128), jnp.float32)
 
@@ -2724,21 +2725,22 @@ def test_sums_of_gathered_selections_are_dense_beyond_a_few_parts():
     np.testing.assert_allclose(kept.apply(t), sum(p.apply(t) for p in rolled), rtol=1e-5, atol=1e-5)
 
 
-def test_sums_of_selections_on_small_maps_are_dense_beyond_four_parts():
-    # A map between few elements (the square of the larger size at most SMALL_MAP: 32 x 32 here) keeps
-    # at most SMALL_MAP_PARTS parts: each part costs equations in every product and sum, the dense block
-    # one array (20 steps of a 64-point heat equation: 0.94 ms a call in fwd with bands of up to 41
-    # parts, 0.05 ms dense)
-    n = 32
-    scale = jnp.linspace(0.5, 1.5, n, dtype=jnp.float32)
+def test_sums_of_selections_on_small_maps_are_dense_beyond_a_few_parts():
+    # A map between few elements (the square of the larger size n at most SMALL_MAP) keeps at most
+    # SMALL_MAP_PARTS parts, or n / 16 where that is more: each part costs equations in every product
+    # and sum, the dense block one array (20 steps of a 64-point heat equation: 0.94 ms a call in fwd
+    # with bands of up to 41 parts, 0.05 ms dense; on 128 points 1.41 ms and 0.19 ms)
+    def shifts(n, count):  # zero-filled, scaled: a band that does not wrap around
+        scale = jnp.linspace(0.5, 1.5, n, dtype=jnp.float32)
+        return [dataclasses.replace(partials.selection_from_index((n,), (n,), np.where(np.arange(n) + k < n,
+                                                                                        np.arange(n) + k, -1),
+                                                                  np.float32), has_scale=True, scale=scale)
+                for k in range(count)]
 
-    def scaled(index):
-        return dataclasses.replace(partials.selection_from_index((n,), (n,), index, np.float32), has_scale=True,
-                                   scale=scale)
-
-    shifted = [scaled(np.where(np.arange(n) + k < n, np.arange(n) + k, -1)) for k in range(5)]  # zero-filled
-    assert len(partials.sum_of_selections(shifted[:4], np.float32).parts) == 4
-    assert partials.sum_of_selections(shifted, np.float32) is None
+    for n, kept in ((32, 4), (64, 4), (128, 8)):
+        assert len(partials.sum_of_selections(shifts(n, kept), np.float32).parts) == kept
+        assert partials.sum_of_selections(shifts(n, kept + 1), np.float32) is None
+    assert len(partials.sum_of_selections(shifts(256, 20), np.float32).parts) == 20  # not a small map
 
     def heat(u):  # bands of up to 13 shifts, cut at the edges
         for _ in range(6):
@@ -2746,9 +2748,10 @@ def test_sums_of_selections_on_small_maps_are_dense_beyond_four_parts():
             u = u.at[-1].set(u[-2])
         return u
 
-    u = jnp.sin(jnp.linspace(0.0, 3.0, n))
-    for order in ("fwd", "rev", "markowitz"):
-        np.testing.assert_allclose(jaxtool.jacve(heat, order)(u), jax.jacrev(heat)(u), rtol=1e-5, atol=1e-6)
+    for n in (32, 96):
+        u = jnp.sin(jnp.linspace(0.0, 3.0, n))
+        for order in ("fwd", "rev", "markowitz"):
+            np.testing.assert_allclose(jaxtool.jacve(heat, order)(u), jax.jacrev(heat)(u), rtol=1e-5, atol=1e-6)
 
 
 def test_sums_of_selections_that_wrap_around_keep_their_parts_on_small_maps():
