@@ -2192,8 +2192,8 @@ def _wraps(rows: np.ndarray, inputs: np.ndarray, out_shape: tuple, in_shape: tup
     their parts (:data:`SMALL_MAP`): formed dense, each step's block is sliced twice per roll, and
     XLA:CPU fuses the steps that made it, and their sines, into both slices, so every step recomputes
     the ones before it. Ten steps of a nonlinear wave on 64 periodic points (``sin`` in each step) took
-    1.9 ms a call in ``fwd`` and 4.2 ms in ``rev`` dense, 0.53 and 0.27 ms as parts (``jax.jacfwd``:
-    2.4 ms, ``jax.jacrev``: 7.0 ms; one CPU); first calls 2.1 and 2.5 s dense, 2.9 and 4.2 s as parts."""
+    1.9 ms a call in ``fwd`` and 4.2 ms in ``rev`` dense, 0.59 and 0.30 ms as parts (``jax.jacfwd``:
+    2.4 ms, ``jax.jacrev``: 7.0 ms; one CPU); first calls 1.9 and 2.7 s dense, 2.9 and 4.2 s as parts."""
     if tuple(out_shape) == tuple(in_shape):
         return any(bool(np.any(np.abs(i - r) > n // 2)) for r, i, n in
                    zip(np.unravel_index(rows, out_shape), np.unravel_index(inputs, in_shape), out_shape))
