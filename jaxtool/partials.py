@@ -2352,24 +2352,24 @@ def _fewest_selections(terms, dtype, scales_of_terms: Optional[Callable] = None)
     index = np.stack([t.index.reshape(-1) for t in terms])
     term, row = np.nonzero(index >= 0)
     entries, slot = np.unique(row * n_in + index[term, row], return_inverse=True)  # by row, then input
-    entry_rows = entries // n_in
+    entry_rows, entry_inputs = entries // n_in, entries % n_in
     rank = np.arange(len(entries)) - np.searchsorted(entry_rows, entry_rows)
     count = int(rank.max(initial=0)) + 1
     small = _small_map_part_limit(max(n_out, n_in))
     if count > _part_limit(n_in) or (small is not None and count > small
-                                     and not _wraps(entry_rows, entries % n_in, out_shape, in_shape)):
+                                     and not _wraps(entry_rows, entry_inputs, out_shape, in_shape)):
         return None
     as_given = count >= len(terms) and len(entries) == len(term)  # as few already, no entry shared
     by_offset = False
     if as_given:
         cut = index
     else:
-        part, cut = _cut_by_offset(entry_rows, entries % n_in, count, out_shape, in_shape)
+        part, cut = _cut_by_offset(entry_rows, entry_inputs, count, out_shape, in_shape)
         by_offset = cut is not None  # (its parts are each a few runs: sliced, no need to check them)
         if cut is None:
             part = rank
             cut = np.full((count, n_out), -1)
-            cut[rank, entry_rows] = entries % n_in
+            cut[rank, entry_rows] = entry_inputs
     if not by_offset and len(cut) > _gathered_part_limit(n_in) \
             and not all(_sliced(c, out_shape, in_shape) for c in cut):
         return None
