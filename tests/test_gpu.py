@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import FAST_COMPILE_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,8 +47,10 @@ print("ok")
 
 
 def _run(*args):
-    """``python *args`` from the repository root, with JAX free to pick its platforms."""
+    """``python *args`` from the repository root, with JAX free to pick its platforms and XLA's default
+    compiler settings (without the suite's :data:`conftest.FAST_COMPILE_FLAGS`)."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE_FLAGS)
     env["NO_COLOR"] = "1"
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
