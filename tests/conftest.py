@@ -6,13 +6,14 @@ every pytest-xdist worker would take most of the GPU's memory; the GPU tests
 
 Most of the suite's time is XLA:CPU compiling the programs it differentiates, and most of that is
 code generation: XLA's MLIR fusion emitters (9-15 ms per kernel) and LLVM. The suite therefore
-compiles with :data:`FAST_COMPILE_FLAGS`, XLA's older loop emitters, which compiled the encoder's
-forward-order Jacobian in 1.74-1.76 s instead of 3.05 s (``jax.jacrev``'s in 0.59 s instead of
-1.05 s) and ran its Jacobians in 0.89x-1.02x the time. They change how XLA emits machine code, not the program JAX is
-given. (With LLVM at -O0 as well, ``--xla_backend_optimization_level=0``, compiling took 0.64 s, but
-XLA then computed one fuzz program's values inconsistently: seed 267, a ``jnp.hypot`` of ``tanh``
-values, got a ``markowitz`` Jacobian off by up to 0.93 when compiled whole, right op by op.) ``JAXTOOL_TEST_XLA_DEFAULTS=1`` runs the
-suite under XLA's default compiler settings instead; ``make bench`` and ``make fuzz`` always use them.
+compiles with :data:`FAST_COMPILE_FLAGS`, LLVM at -O0, which compiled the encoder's forward-order
+Jacobian in 1.77 s instead of 3.05 s (``jax.jacrev``'s in 0.71 s instead of 1.05 s). It changes how
+XLA optimises machine code, not the program JAX is given. XLA's older loop emitters
+(``--xla_cpu_use_fusion_emitters=false``) compile about as fast, but not right: with them, alone or
+with -O0, the compiled ``markowitz`` Jacobian of fuzz seed 267 (a ``jnp.hypot`` of ``tanh`` values)
+was off by up to 0.93, where the same staged program evaluated op by op is right.
+``JAXTOOL_TEST_XLA_DEFAULTS=1`` runs the suite under XLA's default compiler settings instead; ``make
+bench`` and ``make fuzz`` always use them.
 """
 
 import os
@@ -22,7 +23,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 #: XLA flags the suite compiles with (added to any XLA_FLAGS already set), see the module docstring
-FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",)
 
 
 def _use_fast_compile_flags():
