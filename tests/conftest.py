@@ -11,8 +11,8 @@ Jacobian in 1.77 s instead of 3.05 s (``jax.jacrev``'s in 0.71 s instead of 1.05
 XLA optimises machine code, not the program JAX is given. XLA's older loop emitters
 (``--xla_cpu_use_fusion_emitters=false``) compile about as fast, but with them and the fuzz checks'
 ``jax_disable_most_optimizations`` (or -O0) the compiled ``markowitz`` Jacobian of fuzz seed 267 (a
-``jnp.hypot`` of ``tanh`` values) was off by up to 0.93 with JAX's rule for ``max``, right op by op
-(``test_max_partials_hold_where_xla_computes_an_operand_twice``).
+``jnp.hypot`` of ``tanh`` values) was off by up to 0.93 with JAX's rule for ``max``, right op by op;
+``rules.max_min`` is right there (``test_max_partials_hold_where_xla_computes_an_operand_twice``).
 ``JAXTOOL_TEST_XLA_DEFAULTS=1`` runs the suite under XLA's default compiler settings instead; ``make
 bench`` and ``make fuzz`` always use them.
 """
