@@ -237,10 +237,8 @@ def max_min(eqn, invals, outvals, wrt):
     XLA may compute an operand in two kernels, once for the result and once for the comparison, and
     under XLA:CPU's older emitters with ``jax_disable_most_optimizations`` fuzz seed 267's compiled
     ``markowitz`` Jacobian (a ``jnp.hypot`` of ``tanh`` values) was off by up to 0.93 with JAX's rule,
-    right with this one. Complex operands keep JAX's rule (:func:`elementwise`)."""
+    right with this one. Complex operands keep JAX's rule (:data:`COMPLEX_ELEMENTWISE`)."""
     x, y = invals
-    if not all(jnp.issubdtype(jax.typeof(v).dtype, jnp.floating) for v in (x, y)):
-        return elementwise(eqn, invals, outvals, wrt)
     out_shape = _shape(outvals[0])
     dtype = jax.typeof(outvals[0]).dtype
     wins = jax.lax.gt if eqn.primitive is P.max_p else jax.lax.lt
@@ -1086,7 +1084,7 @@ def contains(jaxpr, primitive) -> bool:
 # complex values: real pairs, one opaque vertex per equation
 
 
-COMPLEX_ELEMENTWISE = {*ELEMENTWISE, P.add_p, P.sub_p, P.neg_p, P.mul_p, P.div_p, P.real_p, P.imag_p,
+COMPLEX_ELEMENTWISE = {*ELEMENTWISE, P.max_p, P.min_p, P.add_p, P.sub_p, P.neg_p, P.mul_p, P.div_p, P.real_p, P.imag_p,
                        P.conj_p, P.complex_p, P.convert_element_type_p, P.copy_p}
 
 
