@@ -242,12 +242,12 @@ def max_min(eqn, invals, outvals, wrt):
     out_shape = _shape(outvals[0])
     dtype = jax.typeof(outvals[0]).dtype
     wins = jax.lax.gt if eqn.primitive is P.max_p else jax.lax.lt
+    tie = jnp.broadcast_to(jax.lax.eq(x, y), out_shape)
+    half = jax.lax.select(tie, jnp.full(out_shape, 0.5, dtype), jnp.zeros(out_shape, dtype))  # both operands'
     result = []
     for i in wrt:
         a, b = (x, y) if i == 0 else (y, x)
-        tie, won = (jnp.broadcast_to(c, out_shape) for c in (jax.lax.eq(a, b), wins(a, b)))
-        half = jax.lax.select(tie, jnp.full(out_shape, 0.5, dtype), jnp.zeros(out_shape, dtype))
-        d = jax.lax.select(won, jnp.ones(out_shape, dtype), half)
+        d = jax.lax.select(jnp.broadcast_to(wins(a, b), out_shape), jnp.ones(out_shape, dtype), half)
         result.append((i, 0, _operand_partial(_shape(a), out_shape, d, dtype)))
     return result
 
