@@ -77,3 +77,9 @@ class StdoutClosed(Exception):
     """stdout was closed before all the data was written (``| head``, ``>&-``): exit 141, with no
     message, as a process killed by SIGPIPE reports. Not an ``OSError``: click ends the process
     with status 1 ("a check failed") on a broken-pipe ``OSError`` it sees."""
+
+
+class OpByOpWarning(RuntimeWarning):
+    """XLA could not compile a staged Jacobian (an ``INTERNAL`` error of its own, which ``jax.jit`` of
+    the function itself may meet too), so it was computed op by op, as ``jax.jacrev`` computes
+    outside ``jax.jit``: the same values, more slowly."""

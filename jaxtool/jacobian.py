@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 import weakref
 
 import numpy as np
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtool._compat import weakly_typed
+from jaxtool.errors import OpByOpWarning
 from jaxtool.elimination import Problem, blocks, build, run
 from jaxtool.graph import flatten
 from jaxtool.orders import parse_order, resolve_order, vertex_numbers
@@ -114,6 +116,21 @@ def _trace(fun, args, kwargs, positions, has_aux, static_kinds):
     return program, values, wrt, dyn_tree, trees["out"], trees["aux"], trees["static"]
 
 
+def xla_failed(error: Exception) -> bool:
+    """Whether ``error`` is XLA failing on a program, not the program failing: an ``INTERNAL`` error
+    (JAX 0.10.2 compiles a sum kept as a 1 x 1 array, its FFT and a LAPACK call on the result to a
+    program that stops at ``RET_CHECK failure ... fft_thunk.cc``, ``jax.jit`` of the function too,
+    where op by op they run)."""
+    return isinstance(error, jax.errors.JaxRuntimeError) and str(error).startswith("INTERNAL:")
+
+
+def op_by_op_note(error: Exception) -> str:
+    """What :class:`~jaxtool.errors.OpByOpWarning` says of ``error``."""
+    reason = (str(error).strip().splitlines() or [""])[0].strip()
+    return (f"XLA could not compile the staged Jacobian ({reason}); computed op by op instead, as "
+            "jax.jacrev computes outside jax.jit (jax.jit of the function may fail the same way)")
+
+
 def _signature(args, kwargs) -> tuple:
     """The tree, shapes and dtypes of a call's arguments (a ``jax.jit`` cache entry's)."""
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -169,6 +186,7 @@ class _StagedJacobian:
         # aux leaves that are not arrays cannot leave jax.jit: kept per call signature, as traced
         self.aux_layouts = {}
         self.custom_rule = None  # the last program traced's first custom rule (rules.custom_rule)
+        self.op_by_op = set()  # call signatures whose staged Jacobian XLA could not compile (xla_failed)
 
     def trace(self, kinds, args, kwargs) -> tuple:
         """The function traced at ``args`` and ``kwargs`` (:func:`_trace`)."""
@@ -230,10 +248,16 @@ class _StagedJacobian:
             self.kinds = SCALARS
             return result
 
+    def op_by_op_call(self, args, kwargs):
+        """The Jacobian computed op by op, unstaged (as ``jax.jacrev`` computes outside ``jax.jit``)."""
+        return self.with_aux(*self.with_kinds(lambda k: self.parts(k, *args, **kwargs)))
+
     def __call__(self, *args, **kwargs):
         leaves = jax.tree_util.tree_leaves((args, kwargs))
         if not all(_is_array(x) for x in leaves):  # non-array arguments cannot be staged
-            return self.with_aux(*self.with_kinds(lambda k: self.parts(k, *args, **kwargs)))
+            return self.op_by_op_call(args, kwargs)
+        if self.op_by_op and _signature(args, kwargs) in self.op_by_op:
+            return self.op_by_op_call(args, kwargs)
 
         def staged_call(k):
             static, call_tree, dynamic = _split(args, kwargs, self.positions, k)
@@ -243,6 +267,12 @@ class _StagedJacobian:
             (result, arrays), static = self.with_kinds(staged_call)
         except jax.errors.UnexpectedTracerError as error:
             raise leaked_rule_error(self.custom_rule, error) from error
+        except jax.errors.JaxRuntimeError as error:
+            if not xla_failed(error):
+                raise
+            warnings.warn(op_by_op_note(error), OpByOpWarning, stacklevel=3)
+            self.op_by_op.add(_signature(args, kwargs))  # (not compiled again: it would fail again)
+            return self.op_by_op_call(args, kwargs)
         if not self.has_aux:
             return result
         return self.with_aux(result, arrays, *self.aux_layouts[static, _signature(args, kwargs)])

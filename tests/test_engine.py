@@ -12,6 +12,7 @@ import pathlib
 import random
 import re
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from jax import lax
 import jaxtool
 from jaxtool import partials
 from jaxtool.elimination import blocks, run
-from jaxtool.errors import OrderError, UnsupportedError, UsageError
+from jaxtool.errors import OpByOpWarning, OrderError, UnsupportedError, UsageError
 from jaxtool.jacobian import trace_problem
 from jaxtool.orders import resolve_order
 from jaxtool.partials import Linear, Sparse
@@ -1905,6 +1906,38 @@ def test_a_new_jacve_of_the_same_function_reuses_its_staged_jacobian():
     np.testing.assert_allclose(jac, ref, rtol=1e-6)
     for block, expected in zip(jac1, ref1):
         np.testing.assert_allclose(block, expected, rtol=1e-6)
+
+
+def fft_of_a_kept_sum(x):
+    """A program JAX 0.10.2's XLA:CPU compiles to one that fails (``INTERNAL: RET_CHECK failure ...
+    fft_thunk.cc``): a sum kept as a 1 x 1 array, its FFT, a LAPACK solve on the result (fuzz seed
+    310063 of ``--max-ops 60``, attempt 0, cut down). Op by op it runs."""
+    s = jnp.sum(x[None, :] * x[:, None], keepdims=True)
+    return jnp.linalg.inv(jnp.eye(1) + jnp.real(jnp.fft.fft(s)))
+
+
+def xla_cannot_compile(fn, *args) -> bool:
+    try:
+        jax.block_until_ready(jax.jit(fn)(*args))
+    except jax.errors.JaxRuntimeError as error:
+        return str(error).startswith("INTERNAL:")
+    return False
+
+
+def test_a_jacobian_xla_cannot_compile_is_computed_op_by_op_with_a_warning():
+    x = jnp.array([0.3, -0.2], jnp.float32)
+    if not xla_cannot_compile(fft_of_a_kept_sum, x):
+        pytest.skip("this jaxlib compiles the program: the fallback is not reached")
+    expected = jax.jacrev(fft_of_a_kept_sum)(x)  # (op by op: it runs)
+    for order in ("rev", "fwd", "markowitz"):
+        with pytest.warns(OpByOpWarning, match=r"XLA could not compile .*fft_thunk.* computed op by op"):
+            got = jaxtool.jacve(fft_of_a_kept_sum, order=order)(x)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    with warnings.catch_warnings():  # the next call is op by op at once: not compiled, no warning again
+        warnings.simplefilter("error")
+        np.testing.assert_allclose(jaxtool.jacve(fft_of_a_kept_sum)(x), expected, rtol=1e-5, atol=1e-7)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # staged by the user: XLA's to compile
+        jax.jit(jaxtool.jacve(fft_of_a_kept_sum))(x)
 
 
 def test_the_shared_jacobians_do_not_keep_a_function_alive():

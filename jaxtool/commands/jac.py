@@ -109,7 +109,9 @@ def command(settings, target, specs, order_text, argnums, static, inputs, seed, 
             raise UsageError(f"{target} returns no arrays: nothing to differentiate")
         leaves, wrt = _differentiated_leaves(loaded, traced, positions)
 
-        (vertices, cost), jac, opaque = _eliminate(loaded.fn, traced.in_tree, leaves, wrt, order)
+        (vertices, cost), jac, opaque, note = _eliminate(loaded.fn, traced.in_tree, leaves, wrt, order)
+        if note is not None:
+            settings.note(note)
         blocks = _blocks(traced, wrt, jac)
         report = JacobianReport(order_name=order if isinstance(order, str) else "custom", order=tuple(vertices),
                                 mults=cost.mults, adds=cost.adds, blocks=blocks, opaque=opaque,
@@ -191,6 +193,7 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
 
     from jaxtool.elimination import blocks, build, run
     from jaxtool.graph import flatten
+    from jaxtool.jacobian import op_by_op_note, xla_failed
     from jaxtool.orders import resolve_order
     from jaxtool.rules import custom_rule, leaked_rule_error
 
@@ -218,9 +221,14 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
         jac = jax.block_until_ready(jax.jit(eliminate)(leaves))
     except jax.errors.UnexpectedTracerError as error:  # a rule closing over a differentiated argument
         raise leaked_rule_error(recorded.get("rule"), error) from error
+    except jax.errors.JaxRuntimeError as error:
+        if not xla_failed(error):
+            raise
+        recorded["note"] = "note: " + op_by_op_note(error)
+        jac = jax.block_until_ready(eliminate(leaves))
     columns = sorted(wrt)  # blocks() orders the differentiated inputs by flat index
     jac = [[row[columns.index(k)] for k in wrt] for row in jac]
-    return recorded["result"], jac, recorded["opaque"]
+    return recorded["result"], jac, recorded["opaque"], recorded.get("note")
 
 
 def _blocks(traced, wrt, jac) -> tuple:
@@ -279,7 +287,7 @@ def _check(fn, traced, leaves, wrt, blocks, rtol, atol):
     comparisons = []
     for name, transform in (("jax.jacrev", jax.jacrev), ("jax.jacfwd", jax.jacfwd)):
         try:
-            reference = jax.jit(transform(fun, argnums=tuple(range(n))))(*[leaves[k] for k in wrt])
+            reference = _compiled_or_op_by_op(transform(fun, argnums=tuple(range(n))), [leaves[k] for k in wrt])
         except Exception as exc:  # e.g. jax.jacfwd of a custom_vjp function
             comparisons.append(Comparison(name, unavailable=exception_message(exc)))
             continue
@@ -292,6 +300,21 @@ def _check(fn, traced, leaves, wrt, blocks, rtol, atol):
         reasons = "; ".join(f"{c.reference}: {c.unavailable}" for c in comparisons)
         raise UnsupportedError(f"--check: neither reference can differentiate this program ({reasons})")
     return check
+
+
+def _compiled_or_op_by_op(fn, args):
+    """``jax.jit(fn)(*args)``, or ``fn(*args)`` op by op where XLA cannot compile it (as JAX 0.10.2
+    cannot some programs that run op by op, :func:`jaxtool.jacobian.xla_failed`)."""
+    import jax
+
+    from jaxtool.jacobian import xla_failed
+
+    try:
+        return jax.jit(fn)(*args)
+    except jax.errors.JaxRuntimeError as error:
+        if not xla_failed(error):
+            raise
+        return fn(*args)
 
 
 def _computed_itemsizes(jaxpr) -> list:
