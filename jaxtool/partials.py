@@ -42,7 +42,7 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import numpy as np
 
@@ -1173,6 +1173,27 @@ class _SmallContraction:
         return _by_dot(list(zip(values, self.keeps)), self.specs, self.out_layout, self.shape, self.dtype)
 
 
+@dataclass(frozen=True)
+class _FusedContraction:
+    """A contraction that sums at most :data:`UNROLLED_SUM` terms, written out in both forms
+    (:mod:`jaxtool.point_forms`: a broadcast product and its sum of slices, at a point and under
+    ``jax.vmap``), as one equation: so that :func:`jaxtool.sharing.call_sharing` finds it where XLA
+    would copy it into several kernels, and has it made once."""
+
+    keeps: tuple
+    specs: tuple
+    out_layout: tuple
+    shape: tuple
+    dtype: np.dtype
+    #: its batched form is written out too, so XLA copies it under ``jax.vmap`` as well
+    batched_fuses: ClassVar[bool] = True
+
+    def at_a_point(self, *values):
+        return _written_out(list(zip(values, self.keeps)), self.specs, self.out_layout, UNROLLED_SUM)
+
+    batched = at_a_point
+
+
 def _contract(operands, specs, out_layout, loop, dtype):
     """``einsum(specs -> out)`` of zero, one or two stored value arrays, fusible when small.
 
@@ -1196,6 +1217,10 @@ def _contract(operands, specs, out_layout, loop, dtype):
         return _by_dot(operands, specs, out_layout, out_shape, dtype)
     if contracted and (summed > UNROLLED_SUM or _is_matvec(specs, out_spec)):
         forms = _SmallContraction(tuple(keep for _, keep in operands), tuple(specs), tuple(out_layout), out_shape,
+                                  np.dtype(dtype))
+        return two_forms(forms, *(v for v, _ in operands))
+    if contracted:
+        forms = _FusedContraction(tuple(keep for _, keep in operands), tuple(specs), tuple(out_layout), out_shape,
                                   np.dtype(dtype))
         return two_forms(forms, *(v for v, _ in operands))
     return _written_out(operands, specs, out_layout, UNROLLED_SUM if fused else 0)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxtool
-from jaxtool import partials
+from jaxtool import partials, sharing
 from jaxtool.elimination import blocks, run
 from jaxtool.errors import OpByOpWarning, OrderError, UnsupportedError, UsageError
 from jaxtool.jacobian import trace_problem
@@ -801,10 +801,48 @@ def test_shared_scalars_are_computed_once_on_cpu(monkeypatch):
     jaxtool.jacobian.clear_caches()
     shared = _compiled_flops(jaxtool.jacve(roe, order="rev", argnums=tuple(range(6))), *roe_args)
     jaxtool.jacobian.clear_caches()
-    monkeypatch.setattr(jaxtool.jacobian, "of_scalars", lambda args: False)
+    monkeypatch.setattr(sharing, "crosses_the_line", lambda jaxpr, shared: False)
     copied = _compiled_flops(jaxtool.jacve(roe, order="rev", argnums=tuple(range(6))), *roe_args)
     jaxtool.jacobian.clear_caches()
     assert shared < 1000 <= copied, (shared, copied)
+
+
+def test_written_contractions_xla_would_copy_into_several_kernels_are_made_once(monkeypatch):
+    """A written-out contraction whose result several kernels read (an output's row in reverse
+    order, multiplied by each in-edge partial) is made once (``sharing.MadeOnce``): the encoder's
+    Jacobian compiles to fewer flops than with XLA copying it into each kernel, with the same values
+    in every order, under jax.vmap and in second derivatives (off XLA:CPU nothing is written out:
+    test_small_products_are_written_out_on_cpu_only)."""
+    encoder, args = load_sample("encoder")
+    argnums = tuple(range(len(args)))
+    want = jax.jacrev(encoder, argnums=argnums)(*args)
+
+    def made_once(jacobian, *xs) -> int:
+        return sum(isinstance(e.params.get("forms"), sharing.MadeOnce)
+                   for e in _equations(jax.make_jaxpr(jacobian)(*xs).jaxpr) if e.primitive.name == "two_forms")
+
+    flops = {}
+    for kernels in (sharing.KERNELS, 10 ** 9):  # as it is; never made once
+        monkeypatch.setattr(sharing, "KERNELS", kernels)
+        jaxtool.jacobian.clear_caches()
+        for order in ("fwd", "rev", "markowitz"):
+            jacobian = jaxtool.jacve(encoder, order=order, argnums=argnums)
+            assert (made_once(jacobian, *args) > 0) == (kernels == 2), (order, kernels)
+            assert_same_jacobian(jax.jit(jacobian)(*args), want, rtol=1e-4, atol=1e-5)
+            flops[order, kernels] = _compiled_flops(jacobian, *args)
+    for order in ("rev", "markowitz"):  # (26010 -> 13892 and 25558 -> 11670 flops with JAX 0.10.2)
+        assert flops[order, 2] < 0.7 * flops[order, 10 ** 9], flops
+    assert flops["fwd", 2] < flops["fwd", 10 ** 9], flops
+    monkeypatch.undo()
+    jaxtool.jacobian.clear_caches()
+    batch = tuple(a * jnp.linspace(0.5, 1.5, 3, dtype=jnp.float32).reshape((3,) + (1,) * a.ndim) for a in args)
+    rev = jaxtool.jacve(encoder, argnums=argnums)
+    assert_same_jacobian(jax.jit(jax.vmap(rev))(*batch), jax.vmap(jax.jacrev(encoder, argnums=argnums))(*batch),
+                         rtol=1e-4, atol=1e-5)
+    loss = lambda x, wq: encoder(x, *args[1:2], wq, *args[3:]).sum()  # noqa: E731
+    hessian = jax.hessian(loss, argnums=(0, 1))(args[0], args[2])
+    assert_same_jacobian(jaxtool.jacve(jaxtool.jacve(loss, argnums=(0, 1)), argnums=(0, 1))(args[0], args[2]),
+                         hessian, rtol=1e-3, atol=1e-4)
 
 
 def test_small_sums_and_matrix_vector_products_are_written_out_at_a_point_only():
@@ -2267,8 +2305,10 @@ def test_primal_dot_general_matches_lax(lhs_shape, rhs_shape, dimension_numbers)
     summed = int(np.prod([lhs_shape[a] for a in lc]))
     library = loop > partials.SMALL_CONTRACTION or summed > partials.POINT_SUM
     two_forms = not library and (summed > partials.UNROLLED_SUM or matvec)
+    forms = [type(e.params["forms"]) for e in fused.eqns if e.primitive.name == "two_forms"]
     assert any(e.primitive is lax.dot_general_p for e in fused.eqns) == library
-    assert any(e.primitive.name == "two_forms" for e in fused.eqns) == two_forms
+    assert (partials._SmallContraction in forms) == two_forms  # (else written out in both forms)
+    assert (partials._FusedContraction in forms) == (not library and not two_forms and bool(lc))
     for got in (partials.dot_general(lhs, rhs, dimension_numbers),
                 jax.jit(lambda a, b: partials.dot_general(a, b, dimension_numbers))(lhs, rhs)):
         assert got.shape == expected.shape and got.dtype == expected.dtype
@@ -2296,13 +2336,16 @@ def test_small_products_are_written_out_on_cpu_only(monkeypatch, fused):
     w = jnp.asarray(rng.standard_normal((4, 4)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)
 
-    def f(w, x):  # 4x4 products and a sum of two rows: small enough to be written out
+    def f(w, x):  # 4x4 products (and a sum of two rows): small enough to be written out
         h = jnp.tanh(w @ x)
         return jnp.tanh(w @ h) * jnp.sum(h[:2], axis=0)
 
     for order in ("fwd", "rev", "markowitz"):
         jacobian = jaxtool.jacve(lambda *a: f(*a), order, (0, 1))  # (a new function: traced afresh)
-        assert (lax.squeeze_p in _primitives(jax.make_jaxpr(jacobian)(w, x).jaxpr)) == fused, order
+        eqns = _equations(jax.make_jaxpr(jacobian)(w, x).jaxpr)
+        written = {type(getattr(e.params["forms"], "forms", e.params["forms"]))  # (MadeOnce's, see sharing)
+                   for e in eqns if e.primitive.name == "two_forms"}
+        assert (partials._FusedContraction in written) == fused and (fused or not written), (order, written)
         assert_same_jacobian(jacobian(w, x), jax.jacrev(f, (0, 1))(w, x), rtol=1e-5, atol=1e-6)
 
 
