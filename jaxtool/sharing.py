@@ -42,9 +42,9 @@ to 26010 flops where its elimination counts 6718 operations (``jax.jacrev``'s: 1
 :func:`call_sharing` finds these contractions (:func:`_copied_contractions`: each is one
 :data:`~jaxtool.point_forms.two_forms_p` equation) and makes each once, its result read back
 through a ``gather`` at constant indices (:func:`_made_once`), which XLA:CPU fuses into no consumer:
-13892 flops, 51.6 us a call instead of 57.9 us, 1.19 s to the first call instead of 1.55 s
-(markowitz: 51.5 us, 1.03 s instead of 58.7 us, 1.45 s; over 1024 points, 2.3 ms and 1.7 ms instead
-of 4.2 ms and 5.0 ms; ``jax.jacrev``: 84 us, 0.86 s, 10.6 ms; pinned to one CPU, interleaved).
+13892 flops, 51.3 us a call instead of 58.6 us, 1.16 s to the first call instead of 1.49 s
+(markowitz: 50.7 us, 0.98 s instead of 59.1 us, 1.22 s; over 1024 points, 2.4 ms and 1.8 ms instead
+of 4.2 ms and 5.1 ms; ``jax.jacrev``: 84 us, 0.80 s, 10.7 ms; pinned to one CPU, interleaved).
 """
 
 from __future__ import annotations
