@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxtool._compat import weakly_typed
-from jaxtool.errors import OpByOpWarning
 from jaxtool.elimination import Problem, blocks, build, run
+from jaxtool.errors import OpByOpWarning
 from jaxtool.graph import flatten
 from jaxtool.orders import parse_order, resolve_order, vertex_numbers
 from jaxtool.partials import clear_plan_caches, fuses_small_products, written_out_forms

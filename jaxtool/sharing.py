@@ -280,7 +280,7 @@ def _copied_contractions(jaxpr) -> set:
             # (how many, up to KERNELS, is all that matters: at most that many kept, so that a large
             # program's sets stay small)
             kernels[out] = reached if len(reached) <= KERNELS else set(itertools.islice(reached, KERNELS))
-        if eqn.primitive is two_forms_p:
+        if eqn.primitive is two_forms_p and not isinstance(eqn.params["forms"], MadeOnce):
             result = eqn.outvars[0]
             if result.aval.ndim and result.aval.size and len(kernels[result]) >= KERNELS:
                 chosen.add(id(eqn))

@@ -193,7 +193,6 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
 
     from jaxtool.elimination import blocks, build, run
     from jaxtool.graph import flatten
-    from jaxtool.jacobian import op_by_op_note, xla_failed
     from jaxtool.orders import resolve_order
     from jaxtool.rules import custom_rule, leaked_rule_error
 
@@ -216,19 +215,12 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
         return blocks(problem)
 
     try:
-        # waited for here: an allocation that fails (a Jacobian too large for memory) is reported by
-        # the wait, as RESOURCE_EXHAUSTED; reading the array unwaited aborts the process (JAX 0.10.2)
-        jac = jax.block_until_ready(jax.jit(eliminate)(leaves))
+        jac, note = _compiled_or_op_by_op(eliminate, [leaves])
     except jax.errors.UnexpectedTracerError as error:  # a rule closing over a differentiated argument
         raise leaked_rule_error(recorded.get("rule"), error) from error
-    except jax.errors.JaxRuntimeError as error:
-        if not xla_failed(error):
-            raise
-        recorded["note"] = "note: " + op_by_op_note(error)
-        jac = jax.block_until_ready(eliminate(leaves))
     columns = sorted(wrt)  # blocks() orders the differentiated inputs by flat index
     jac = [[row[columns.index(k)] for k in wrt] for row in jac]
-    return recorded["result"], jac, recorded["opaque"], recorded.get("note")
+    return recorded["result"], jac, recorded["opaque"], note
 
 
 def _blocks(traced, wrt, jac) -> tuple:
@@ -287,7 +279,7 @@ def _check(fn, traced, leaves, wrt, blocks, rtol, atol):
     comparisons = []
     for name, transform in (("jax.jacrev", jax.jacrev), ("jax.jacfwd", jax.jacfwd)):
         try:
-            reference = _compiled_or_op_by_op(transform(fun, argnums=tuple(range(n))), [leaves[k] for k in wrt])
+            reference, _ = _compiled_or_op_by_op(transform(fun, argnums=tuple(range(n))), [leaves[k] for k in wrt])
         except Exception as exc:  # e.g. jax.jacfwd of a custom_vjp function
             comparisons.append(Comparison(name, unavailable=exception_message(exc)))
             continue
@@ -302,19 +294,22 @@ def _check(fn, traced, leaves, wrt, blocks, rtol, atol):
     return check
 
 
-def _compiled_or_op_by_op(fn, args):
-    """``jax.jit(fn)(*args)``, or ``fn(*args)`` op by op where XLA cannot compile it (as JAX 0.10.2
-    cannot some programs that run op by op, :func:`jaxtool.jacobian.xla_failed`)."""
+def _compiled_or_op_by_op(fn, args) -> tuple:
+    """``(jax.jit(fn)(*args), None)``, or where XLA cannot compile it (as JAX 0.10.2 cannot some
+    programs that run op by op, :func:`jaxtool.jacobian.xla_failed`) ``(fn(*args), note)``, computed
+    op by op, with the note that says so. Waited for here: an allocation that fails (a Jacobian too
+    large for memory) is reported by the wait, as RESOURCE_EXHAUSTED; reading the array unwaited
+    aborts the process (JAX 0.10.2)."""
     import jax
 
-    from jaxtool.jacobian import xla_failed
+    from jaxtool.jacobian import op_by_op_note, xla_failed
 
     try:
-        return jax.jit(fn)(*args)
+        return jax.block_until_ready(jax.jit(fn)(*args)), None
     except jax.errors.JaxRuntimeError as error:
         if not xla_failed(error):
             raise
-        return fn(*args)
+        return jax.block_until_ready(fn(*args)), "note: " + op_by_op_note(error)
 
 
 def _computed_itemsizes(jaxpr) -> list:
