@@ -19,7 +19,7 @@ from jaxtool.graph import flatten
 from jaxtool.orders import parse_order, resolve_order, vertex_numbers
 from jaxtool.partials import clear_plan_caches, fuses_small_products, written_out_forms
 from jaxtool.rules import custom_rule, leaked_rule_error, writes_out_safely
-from jaxtool.sharing import call_sharing, of_scalars, reads_dear
+from jaxtool.sharing import call_sharing, contracts, of_scalars, reads_dear
 
 
 def _argnums(argnums):
@@ -225,7 +225,7 @@ class _StagedJacobian:
                 self.aux_layouts[static, _signature(*_merge(static, call_tree, dynamic))] = (aux_tree, static_aux)
             return result, arrays
 
-        if of_scalars(dynamic) or reads_dear(traced[0]) or fuses_small_products():
+        if of_scalars(dynamic) or reads_dear(traced[0]) or (fuses_small_products() and contracts(traced[0])):
             return call_sharing(emit, dynamic)  # (its jaxpr closes over this trace's values: fun is traced once)
         return emit(*dynamic)
 

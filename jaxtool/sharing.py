@@ -226,6 +226,13 @@ def reads_dear(program) -> bool:
     return any(eqn.primitive in DEAR for eqn in program.eqns)
 
 
+def contracts(program) -> bool:
+    """Whether a flat program (:class:`jaxtool.graph.FlatProgram`) computes a matrix product or a
+    convolution: the dense partials whose products :func:`_copied_contractions` looks for come from
+    these (elsewhere the replay that finds none would cost a first call about 8 ms for nothing)."""
+    return any(eqn.primitive in (P.dot_general_p, P.conv_general_dilated_p) for eqn in program.eqns)
+
+
 def _one_of_each_dear(jaxpr):
     """``jaxpr`` with each :data:`DEAR` equation that repeats an earlier one (same primitive, operands
     and parameters: the elimination's rules recompute the primal's sines) left out, its readers
