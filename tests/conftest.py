@@ -4,17 +4,18 @@ Set before any test module imports JAX. On a GPU, float32 matrix products defaul
 every pytest-xdist worker would take most of the GPU's memory; the GPU tests
 (``tests/test_gpu.py``) run their checks in fresh processes, with this variable removed.
 
-Most of the suite's time is XLA:CPU compiling the programs it differentiates, and most of that is
-code generation: XLA's MLIR fusion emitters (9-15 ms per kernel) and LLVM. The suite therefore
-compiles with :data:`FAST_COMPILE_FLAGS`, LLVM at -O0, which compiled the encoder's forward-order
-Jacobian in 1.77 s instead of 3.05 s (``jax.jacrev``'s in 0.71 s instead of 1.05 s). It changes how
-XLA optimises machine code, not the program JAX is given. XLA's older loop emitters
-(``--xla_cpu_use_fusion_emitters=false``) compile about as fast, but with them and the fuzz checks'
-``jax_disable_most_optimizations`` (or -O0) the compiled ``markowitz`` Jacobian of fuzz seed 267 (a
-``jnp.hypot`` of ``tanh`` values) was off by up to 0.93 with JAX's rule for ``max``, right op by op;
-``rules.max_min`` is right there (``test_max_partials_hold_where_xla_computes_an_operand_twice``).
-``JAXTOOL_TEST_XLA_DEFAULTS=1`` runs the suite under XLA's default compiler settings instead; ``make
-bench`` and ``make fuzz`` always use them.
+Most of the suite's time is XLA:CPU compiling the programs it differentiates, most of them single
+operations run eagerly (about 36 ms each with XLA's defaults), and most of that is code generation:
+XLA's MLIR fusion emitters and LLVM. The suite therefore compiles with XLA's older loop emitters
+(:data:`FAST_COMPILE_FLAGS`) and LLVM at -O0 (JAX's ``jax_disable_most_optimizations``, set by
+:data:`FAST_COMPILE_ENV`): on a 2-CPU machine ``make test`` took 9 min instead of 14.5 min. They
+change how XLA emits machine code, not the program JAX is given, nor its HLO optimisations.
+The two together compute ``jnp.hypot`` differently in different kernels of one program: a sort or a
+``max`` of its values then takes another branch in a compiled ``jax.jacrev`` than in a compiled
+Jacobian (fuzz seeds 15, 126, 152 and 219; right when both run eagerly, and with either setting
+alone), so the fuzz checks compile at LLVM's default level here
+(:func:`program_generator.quick_compilation`). ``JAXTOOL_TEST_XLA_DEFAULTS=1`` runs the suite under
+XLA's default compiler settings instead; ``make bench`` and ``make fuzz`` always use them.
 """
 
 import os
@@ -24,17 +25,25 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 #: XLA flags the suite compiles with (added to any XLA_FLAGS already set), see the module docstring
-FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",)
+FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+#: JAX settings (as environment variables, which pytest-xdist's workers and the CLI's processes inherit)
+#: the suite compiles with, unless set already, see the module docstring
+FAST_COMPILE_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 
 
-def _use_fast_compile_flags():
-    """Add :data:`FAST_COMPILE_FLAGS` to ``XLA_FLAGS`` where this jaxlib knows them.
+def _use_fast_compile_settings():
+    """Set :data:`FAST_COMPILE_ENV`, and add :data:`FAST_COMPILE_FLAGS` to ``XLA_FLAGS`` where this
+    jaxlib knows them.
 
     XLA aborts the process on a flag it does not know, and a later jaxlib may drop these, so they are
-    tried in a child process first. pytest-xdist's workers inherit the variable from the controller,
+    tried in a child process first. pytest-xdist's workers inherit the variables from the controller,
     which has probed already."""
+    if os.environ.get("JAXTOOL_TEST_XLA_DEFAULTS") == "1":
+        return
+    for key, value in FAST_COMPILE_ENV.items():
+        os.environ.setdefault(key, value)
     flags = os.environ.get("XLA_FLAGS", "")
-    if os.environ.get("JAXTOOL_TEST_XLA_DEFAULTS") == "1" or all(f in flags.split() for f in FAST_COMPILE_FLAGS):
+    if all(f in flags.split() for f in FAST_COMPILE_FLAGS):
         return
     candidate = " ".join([flags, *FAST_COMPILE_FLAGS]).strip()
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0).block_until_ready()"],
@@ -43,4 +52,4 @@ def _use_fast_compile_flags():
         os.environ["XLA_FLAGS"] = candidate
 
 
-_use_fast_compile_flags()
+_use_fast_compile_settings()

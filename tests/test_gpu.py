@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST_COMPILE_FLAGS
+from conftest import FAST_COMPILE_ENV, FAST_COMPILE_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,8 +48,8 @@ print("ok")
 
 def _run(*args):
     """``python *args`` from the repository root, with JAX free to pick its platforms and XLA's default
-    compiler settings (without the suite's :data:`conftest.FAST_COMPILE_FLAGS`)."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    compiler settings (without the suite's :data:`conftest.FAST_COMPILE_FLAGS` and ``FAST_COMPILE_ENV``)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS" and FAST_COMPILE_ENV.get(k) != v}
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE_FLAGS)
     env["NO_COLOR"] = "1"
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
