@@ -8,7 +8,7 @@ Most of the suite's time is XLA:CPU compiling the programs it differentiates, mo
 operations run eagerly (about 36 ms each with XLA's defaults), and most of that is code generation:
 XLA's MLIR fusion emitters and LLVM. The suite therefore compiles with XLA's older loop emitters
 (:data:`FAST_COMPILE_FLAGS`) and LLVM at -O0 (JAX's ``jax_disable_most_optimizations``, set by
-:data:`FAST_COMPILE_ENV`): on a 2-CPU machine ``make test`` took 9 min instead of 14.5 min. They
+:data:`FAST_COMPILE_ENV`): on a 2-CPU machine ``make test`` took 10 min instead of 14.5 min. They
 change how XLA emits machine code, not the program JAX is given, nor its HLO optimisations.
 The two together compute ``jnp.hypot`` differently in different kernels of one program: a sort or a
 ``max`` of its values then takes another branch in a compiled ``jax.jacrev`` than in a compiled
