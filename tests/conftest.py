@@ -10,10 +10,11 @@ XLA's MLIR fusion emitters and LLVM. The suite therefore compiles with XLA's old
 (:data:`FAST_COMPILE_FLAGS`) and LLVM at -O0 (JAX's ``jax_disable_most_optimizations``, set by
 :data:`FAST_COMPILE_ENV`): on a 2-CPU machine ``make test`` took 10 min instead of 14.5 min. They
 change how XLA emits machine code, not the program JAX is given, nor its HLO optimisations.
-The two together compute ``jnp.hypot`` differently in different kernels of one program: a sort or a
-``max`` of its values then takes another branch in a compiled ``jax.jacrev`` than in a compiled
-Jacobian (fuzz seeds 15, 126, 152 and 219; right when both run eagerly, and with either setting
-alone), so the fuzz checks compile at LLVM's default level here
+The two together compute ``jnp.hypot`` (a ``max`` and a ``min`` of its operands' magnitudes)
+differently in different kernels of one program: the compiled ``jax.jacrev`` of four fuzz programs
+with one (seeds 15, 126, 152 and 219) then differed from their compiled Jacobians, though the two
+agree when both run eagerly, and with either setting alone. So the fuzz checks compile at LLVM's
+default level here
 (:func:`program_generator.quick_compilation`). ``JAXTOOL_TEST_XLA_DEFAULTS=1`` runs the suite under
 XLA's default compiler settings instead; ``make bench`` and ``make fuzz`` always use them.
 """
