@@ -14,9 +14,9 @@ The two together compute ``jnp.hypot`` (a ``max`` and a ``min`` of its operands'
 differently in different kernels of one program: the compiled ``jax.jacrev`` of four fuzz programs
 with one (seeds 15, 126, 152 and 219) then differed from their compiled Jacobians, though the two
 agree when both run eagerly, and with either setting alone. So the fuzz checks compile at LLVM's
-default level here
-(:func:`program_generator.quick_compilation`). ``JAXTOOL_TEST_XLA_DEFAULTS=1`` runs the suite under
-XLA's default compiler settings instead; ``make bench`` and ``make fuzz`` always use them.
+default level here (:func:`program_generator.quick_compilation`). ``JAXTOOL_TEST_XLA_DEFAULTS=1``
+runs the suite under XLA's default compiler settings instead; ``make bench`` and ``make fuzz``
+always use them.
 """
 
 import os
