@@ -512,6 +512,7 @@ def test_unsupported_primitive_exits_4_with_location(capsys):
 
 @pytest.mark.parametrize("args, expected", [
     (("--argnums", "2"), "--argnums 2: piecewise takes 2 array arguments (x, y)"),
+    (("--argnums", "0,2"), "--argnums 2: piecewise takes 2 array arguments (x, y)"),  # (not 'the same as 0')
     (("--argnums", "0,0"), "position 0 given more than once"),
     (("--argnums", "1,-1"), "--argnums 1 and -1 name the same argument (y)"),  # (two equal blocks before)
     (("--argnums", "a"), "expected comma-separated argument positions"),

@@ -162,12 +162,13 @@ def _differentiated_leaves(loaded, traced, positions):
         starts = [0]
         for arg in loaded.args:
             starts.append(starts[-1] + len(jax.tree_util.tree_leaves(arg)))
-        wrt = []
-        for p in positions:
+        for p in positions:  # (every position in range before any two are compared: 1 is 0 modulo 1)
             if not -count <= p < count:
                 names = ", ".join(loaded.arg_names) or "none"
                 raise UsageError(f"--argnums {p}: {loaded.name} takes {count} array argument{'s' * (count != 1)} "
                                  f"({names})")
+        wrt = []
+        for p in positions:
             same = [q for q in positions if q != p and q % count == p % count]
             if same:  # (a negative position and a non-negative one)
                 name = loaded.arg_names[p % count] if p % count < len(loaded.arg_names) else f"number {p % count}"
