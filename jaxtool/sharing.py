@@ -233,6 +233,19 @@ def contracts(program) -> bool:
     return any(eqn.primitive in (P.dot_general_p, P.conv_general_dilated_p) for eqn in program.eqns)
 
 
+def _live(jaxpr):
+    """``jaxpr`` without the equations whose results nothing reads and that have no effects: the
+    pieces of a bundle's product that the next bundle takes whole (:func:`jaxtool.bundles._split`),
+    628 of the 1937 equations of the encoder's forward-order Jacobian, are not replayed."""
+    needed = set(_variables(jaxpr.outvars))
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or needed.intersection(eqn.outvars):
+            kept.append(eqn)
+            needed.update(_variables(eqn.invars))
+    return jaxpr.replace(eqns=kept[::-1])
+
+
 def _one_of_each_dear(jaxpr):
     """``jaxpr`` with each :data:`DEAR` equation that repeats an earlier one (same primitive, operands
     and parameters: the elimination's rules recompute the primal's sines) left out, its readers
@@ -342,7 +355,7 @@ def call_sharing(fun, args) -> object:
     Replayed as it is where it has effects (reordering could reorder them)."""
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     out_tree = jax.tree_util.tree_structure(out_shape)
-    jaxpr = _one_of_each_dear(closed.jaxpr)
+    jaxpr = _one_of_each_dear(_live(closed.jaxpr))
     uses = collections.Counter(v for eqn in jaxpr.eqns for v in _variables(eqn.invars))
     uses.update(_variables(jaxpr.outvars))
     shared = _shared(jaxpr, uses) if of_scalars(args) else set()
@@ -357,7 +370,7 @@ def call_sharing(fun, args) -> object:
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
     if not (shared or dear or copied) or jaxpr.effects:
-        return jax.tree_util.tree_unflatten(out_tree, jcore.jaxpr_as_fun(closed)(*args))
+        return jax.tree_util.tree_unflatten(out_tree, jcore.jaxpr_as_fun(closed.replace(jaxpr=jaxpr))(*args))
     pending = {materialize_p: [], once_p: []}
 
     def made_once(primitive):

@@ -807,6 +807,31 @@ def test_shared_scalars_are_computed_once_on_cpu(monkeypatch):
     assert shared < 1000 <= copied, (shared, copied)
 
 
+def _dead_equations(jaxpr) -> int:
+    """How many equations of ``jaxpr`` (not of the jaxprs in their params) have results nothing reads."""
+    read = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jax.extend.core.Var)}
+    read.update(v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var))
+    return sum(not e.effects and not read.intersection(e.outvars) for e in jaxpr.eqns)
+
+
+def test_the_replayed_jaxpr_leaves_out_what_nothing_reads(monkeypatch):
+    """:func:`sharing.call_sharing` replays only equations whose results are read (or that have
+    effects): the pieces of a bundle's product that the next bundle takes whole are left out."""
+    printed = jax.make_jaxpr(lambda x: (jax.debug.print("{}", x), jnp.cos(x), jnp.sin(x))[2])(1.0).jaxpr
+    assert [e.primitive.name for e in sharing._live(printed).eqns] == ["debug_print", "sin"]
+    encoder, args = load_sample("encoder")
+    argnums = tuple(range(len(args)))
+    staged = jax.make_jaxpr(jaxtool.jacve(encoder, order="fwd", argnums=argnums))(*args).jaxpr
+    (inner,) = [sub for e in staged.eqns for _, _, sub in subjaxprs(e.params)]
+    assert _dead_equations(inner) == 0
+    monkeypatch.setattr(sharing, "_live", lambda jaxpr: jaxpr)  # (the replay as it was: hundreds)
+    jaxtool.jacobian.clear_caches()
+    staged = jax.make_jaxpr(jaxtool.jacve(encoder, order="fwd", argnums=argnums))(*args).jaxpr
+    (inner,) = [sub for e in staged.eqns for _, _, sub in subjaxprs(e.params)]
+    assert _dead_equations(inner) > 100
+    jaxtool.jacobian.clear_caches()  # (not to leave that trace to later tests)
+
+
 def _made_once(jacobian, *args) -> int:
     """How many ``two_forms`` equations of ``jacobian``'s staged program ``sharing.MadeOnce`` marks."""
     return sum(isinstance(e.params.get("forms"), sharing.MadeOnce)
