@@ -518,7 +518,7 @@ def test_the_eliminations_own_matrix_products_run_at_highest_precision():
     f = lambda w, x: jnp.tanh(w @ jnp.tanh(w @ x))  # noqa: E731
     def loop(x):  # a while loop's JVP, which JAX cannot transpose: rows are multiplied by it densified
         y, _ = lax.while_loop(lambda c: c[1] < 3, lambda c: (jnp.sin(c[0]) * 1.1, c[1] + 1), (x, 0))
-        return jnp.sin(y) @ w
+        return jnp.tanh(jnp.sin(y) @ w)  # (tanh's partial reads the product: it stays in the Jacobian)
 
     for fun, args, argnums in ((f, (w, x), 1), (loop, (x,), 0)):
         program = _dot_precisions(jax.make_jaxpr(fun)(*args).jaxpr)
@@ -2571,8 +2571,9 @@ def test_products_of_one_structure_are_bundled(monkeypatch):
 def test_a_bundle_stays_one_array_along_a_chain():
     """Three inputs enter a chain of dense layers through one sum; from there on, in forward order,
     their partials are one bundle at every vertex, multiplied at once and taken from the array the
-    vertex before made: one concatenation for the whole chain (where the bundle first forms), one
-    split per vertex, and the Jacobian of ``jax.jacfwd``."""
+    vertex before made: one concatenation for the whole chain (where the bundle first forms), its
+    pieces split off where the Jacobian's blocks are taken (the split at every vertex is read by
+    nothing and left out of the staged program), and the Jacobian of ``jax.jacfwd``."""
     rng = np.random.default_rng(0)
     weights = [jnp.asarray(rng.standard_normal((6, 6)) / 3, jnp.float32) for _ in range(9)]
 
@@ -2585,7 +2586,7 @@ def test_a_bundle_stays_one_array_along_a_chain():
     xs = tuple(jnp.asarray(rng.standard_normal(6), jnp.float32) for _ in range(3))
     jacobian = jaxtool.jacve(chain, "fwd", (0, 1, 2))
     counts = _primitive_counts(jax.make_jaxpr(jacobian)(*xs).jaxpr)
-    assert counts["concatenate"] <= 2 and counts["split"] >= 12, counts
+    assert counts["concatenate"] <= 2 and counts["split"] <= 2, counts
     assert_same_jacobian(jax.jit(jacobian)(*xs), jax.jacfwd(chain, (0, 1, 2))(*xs), rtol=1e-5, atol=1e-6)
 
 
