@@ -342,7 +342,8 @@ class MadeOnce:
 
 def call_sharing(fun, args) -> object:
     """``fun(*args)``, with the values that its computation shares made once on XLA:CPU: ``fun`` is
-    traced to a jaxpr, whose equations are replayed stage by stage (:func:`_stages`).
+    traced to a jaxpr, whose equations (those whose results are read, :func:`_live`) are replayed
+    stage by stage (:func:`_stages`).
 
     - In a program of scalars (:func:`of_scalars`), each stage's shared scalars (:func:`_shared`)
       pass through :data:`materialize_p` before the next stage reads them, where that takes the
@@ -352,7 +353,7 @@ def call_sharing(fun, args) -> object:
     - The written-out contractions and sums that XLA:CPU would copy into several kernels
       (:func:`_copied_contractions`) are made once (:class:`MadeOnce`).
 
-    Replayed as it is where it has effects (reordering could reorder them)."""
+    Replayed in its own order where it has effects (reordering could reorder them)."""
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     out_tree = jax.tree_util.tree_structure(out_shape)
     jaxpr = _one_of_each_dear(_live(closed.jaxpr))
