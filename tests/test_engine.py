@@ -2568,12 +2568,15 @@ def test_products_of_one_structure_are_bundled(monkeypatch):
     assert bundled_equations < 0.6 * pairwise_equations, (bundled_equations, pairwise_equations)
 
 
-def test_a_bundle_stays_one_array_along_a_chain():
+def test_a_bundle_stays_one_array_along_a_chain(monkeypatch):
     """Three inputs enter a chain of dense layers through one sum; from there on, in forward order,
     their partials are one bundle at every vertex, multiplied at once and taken from the array the
-    vertex before made: one concatenation for the whole chain (where the bundle first forms), its
-    pieces split off where the Jacobian's blocks are taken (the split at every vertex is read by
-    nothing and left out of the staged program), and the Jacobian of ``jax.jacfwd``."""
+    vertex before made: a product of 3 partials at each of the 12 vertices, one concatenation for the
+    whole chain (where the bundle first forms), its pieces split off where the Jacobian's blocks are
+    taken (the split at every vertex is read by nothing and left out of the staged program), and the
+    Jacobian of ``jax.jacfwd``."""
+    from jaxtool import bundles
+
     rng = np.random.default_rng(0)
     weights = [jnp.asarray(rng.standard_normal((6, 6)) / 3, jnp.float32) for _ in range(9)]
 
@@ -2584,9 +2587,14 @@ def test_a_bundle_stays_one_array_along_a_chain():
         return h
 
     xs = tuple(jnp.asarray(rng.standard_normal(6), jnp.float32) for _ in range(3))
+    made = []
+    original = bundles.products
+    monkeypatch.setattr(bundles, "products", lambda b, parts: made.append(len(parts)) or original(b, parts))
+    jaxtool.jacobian.clear_caches()
     jacobian = jaxtool.jacve(chain, "fwd", (0, 1, 2))
     counts = _primitive_counts(jax.make_jaxpr(jacobian)(*xs).jaxpr)
-    assert counts["concatenate"] <= 2 and counts["split"] <= 2, counts
+    assert made.count(3) >= 12, made
+    assert 1 <= counts["concatenate"] <= 2 and 1 <= counts["split"] <= 2, counts
     assert_same_jacobian(jax.jit(jacobian)(*xs), jax.jacfwd(chain, (0, 1, 2))(*xs), rtol=1e-5, atol=1e-6)
 
 
