@@ -820,15 +820,16 @@ def test_the_replayed_jaxpr_leaves_out_what_nothing_reads(monkeypatch):
     printed = jax.make_jaxpr(lambda x: (jax.debug.print("{}", x), jnp.cos(x), jnp.sin(x))[2])(1.0).jaxpr
     assert [e.primitive.name for e in sharing._live(printed).eqns] == ["debug_print", "sin"]
     encoder, args = load_sample("encoder")
-    argnums = tuple(range(len(args)))
-    staged = jax.make_jaxpr(jaxtool.jacve(encoder, order="fwd", argnums=argnums))(*args).jaxpr
-    (inner,) = [sub for e in staged.eqns for _, _, sub in subjaxprs(e.params)]
-    assert _dead_equations(inner) == 0
+
+    def staged_jaxpr():
+        staged = jax.make_jaxpr(jaxtool.jacve(encoder, order="fwd", argnums=tuple(range(len(args)))))(*args).jaxpr
+        (inner,) = [sub for e in staged.eqns for _, _, sub in subjaxprs(e.params)]
+        return inner
+
+    assert _dead_equations(staged_jaxpr()) == 0
     monkeypatch.setattr(sharing, "_live", lambda jaxpr: jaxpr)  # (the replay as it was: hundreds)
     jaxtool.jacobian.clear_caches()
-    staged = jax.make_jaxpr(jaxtool.jacve(encoder, order="fwd", argnums=argnums))(*args).jaxpr
-    (inner,) = [sub for e in staged.eqns for _, _, sub in subjaxprs(e.params)]
-    assert _dead_equations(inner) > 100
+    assert _dead_equations(staged_jaxpr()) > 100
     jaxtool.jacobian.clear_caches()  # (not to leave that trace to later tests)
 
 
@@ -876,16 +877,17 @@ def test_written_contractions_xla_would_copy_into_several_kernels_are_made_once(
 @pytest.mark.parametrize("shape, axes", [((4, 3), (0,)), ((3, 5, 2), (0, 2)), ((7,), (0,)), ((1, 4), (0, 1)),
                                          ((6, 8), (1,)), ((2, 0, 3), (0,)), ((5, 3), (1, 0))])
 def test_a_sum_of_slices_is_reduce_sum_written_out(shape, axes):
-    """A sum written out (halves added, odd terms out at the end) equals ``reduce_sum``, with one slice
-    per term along each axis it halves and one reshape, no ``reduce_sum`` and no reshape per term."""
+    """A sum written out (halves added, odd terms out at the end) equals ``reduce_sum``, with two
+    slices and an addition per halving (one more of each per odd term out) and one reshape for all
+    the axes: no ``reduce_sum`` and no reshape per term."""
     x = jnp.asarray(np.random.default_rng(len(shape)).standard_normal(shape), jnp.float32)
     np.testing.assert_allclose(partials._sum_of_slices(x, axes), jnp.sum(x, axes), rtol=1e-6, atol=1e-6)
     eqns = jax.make_jaxpr(lambda x: partials._sum_of_slices(x, axes))(x).jaxpr.eqns
     names = [e.primitive.name for e in eqns]
     assert "reduce_sum" not in names and names.count("squeeze") == 1
-    halvings = [(n, n % 2) for a in axes for n in _halvings(shape[a])]
-    assert names.count("slice") == sum(2 + odd for _, odd in halvings)
-    assert names.count("add") == sum(1 + odd for _, odd in halvings)
+    odd = [n % 2 for a in axes for n in _halvings(shape[a])]  # (per halving: whether a term is left out)
+    assert names.count("slice") == sum(2 + o for o in odd)
+    assert names.count("add") == sum(1 + o for o in odd)
 
 
 def _halvings(size):
