@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtool import partials
+from jaxtool import one_call, partials
 from jaxtool.cli import main
 from jaxtool.loading import load_target
 from jaxtool.report import SMALL_BLOCK, Block, spy_drawing, spy_scale
@@ -135,6 +135,24 @@ def test_a_jacobian_xla_cannot_compile_is_computed_op_by_op_with_a_note(tmp_path
         pytest.skip("this jaxlib compiles the program: the fallback is not reached")
     assert re.search(r"^note: XLA could not compile the staged Jacobian \(INTERNAL: .*\); computed op by op",
                      err, re.M)
+
+
+def test_an_unrolled_loop_is_computed_equation_by_equation(tmp_path, monkeypatch, capsys):
+    # 150 steps of 3 kinds of equation: jaxtool's Jacobian and --check's two are each run equation by
+    # equation, where XLA would compile each whole
+    (tmp_path / "steps.py").write_text("import jax.numpy as jnp\n\n\ndef steps(x: 'f32[3]'):\n"
+                                       "    for _ in range(150):\n"
+                                       "        x = jnp.sin(x) * 1.01 + x[::-1] * 0.1\n"
+                                       "    return x\n")
+    monkeypatch.chdir(tmp_path)
+    ways = []
+    real = one_call.by_equation
+    monkeypatch.setattr(one_call, "by_equation", lambda *a: (ways.append(len(a[0].eqns)), real(*a))[1])
+    code, out, err = jac(capsys, "steps.py:steps", "--check", "--format", "json")
+    assert code == 0 and "XLA could not compile" not in err
+    check = json.loads(out)["check"]
+    assert check["passed"] and check["jacrev"]["passed"] and check["jacfwd"]["passed"]
+    assert len(ways) == 3 and min(ways) > 500
 
 
 def test_an_allocation_xla_cannot_make_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):

@@ -4,9 +4,11 @@ The function is traced (:func:`jaxtool.tracing.trace`) for the names, shapes and
 leaves; its inlined program is numbered as ``jaxtool show --vertices`` numbers it, so custom
 ``--order`` lists use those numbers. The differentiated inputs are the flat leaves of the
 ``--argnums`` arguments, in ``--argnums`` order; the other arguments stay fixed. Tracing the
-program again, building the graph of partials, eliminating and reading out the blocks run inside
-one ``jax.jit`` (the cost is recorded while tracing), so that a custom derivative rule that closes
-over an argument, traced only when its equation is eliminated, reads a value of that trace.
+program again, building the graph of partials, eliminating and reading out the blocks are traced
+as one function (the cost is recorded while tracing), so that a custom derivative rule that closes
+over an argument, traced only when its equation is eliminated, reads a value of that trace; that
+function, and ``--check``'s ``jax.jacrev`` and ``jax.jacfwd``, are computed by
+:func:`jaxtool.one_call.call_once`: compiled whole, or equation by equation where that is sooner.
 
 No JAX import at module level (``jaxtool jac --help`` stays fast).
 """
@@ -194,6 +196,7 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
 
     from jaxtool.elimination import blocks, build, run
     from jaxtool.graph import flatten
+    from jaxtool.one_call import call_once
     from jaxtool.orders import resolve_order
     from jaxtool.rules import custom_rule, leaked_rule_error
 
@@ -216,7 +219,7 @@ def _eliminate(fn, in_tree, leaves, wrt, order):
         return blocks(problem)
 
     try:
-        jac, note = _compiled_or_op_by_op(eliminate, [leaves])
+        jac, note = call_once(eliminate, [leaves])
     except jax.errors.UnexpectedTracerError as error:  # a rule closing over a differentiated argument
         raise leaked_rule_error(recorded.get("rule"), error) from error
     columns = sorted(wrt)  # blocks() orders the differentiated inputs by flat index
@@ -242,6 +245,7 @@ def _check(fn, traced, leaves, wrt, blocks, rtol, atol):
     import jax
     import numpy as np
 
+    from jaxtool.one_call import call_once
     from jaxtool.report import Check, Comparison
     from jaxtool.rules import carries_tangent, tangent_dtype
     from jaxtool.source import exception_message
@@ -280,7 +284,7 @@ def _check(fn, traced, leaves, wrt, blocks, rtol, atol):
     comparisons = []
     for name, transform in (("jax.jacrev", jax.jacrev), ("jax.jacfwd", jax.jacfwd)):
         try:
-            reference, _ = _compiled_or_op_by_op(transform(fun, argnums=tuple(range(n))), [leaves[k] for k in wrt])
+            reference, _ = call_once(transform(fun, argnums=tuple(range(n))), [leaves[k] for k in wrt])
         except Exception as exc:  # e.g. jax.jacfwd of a custom_vjp function
             comparisons.append(Comparison(name, unavailable=exception_message(exc)))
             continue
@@ -293,24 +297,6 @@ def _check(fn, traced, leaves, wrt, blocks, rtol, atol):
         reasons = "; ".join(f"{c.reference}: {c.unavailable}" for c in comparisons)
         raise UnsupportedError(f"--check: neither reference can differentiate this program ({reasons})")
     return check
-
-
-def _compiled_or_op_by_op(fn, args) -> tuple:
-    """``(jax.jit(fn)(*args), None)``, or where XLA cannot compile it (as JAX 0.10.2 cannot some
-    programs that run op by op, :func:`jaxtool.jacobian.xla_failed`) ``(fn(*args), note)``, computed
-    op by op, with the note that says so. Waited for here: an allocation that fails (a Jacobian too
-    large for memory) is reported by the wait, as RESOURCE_EXHAUSTED; reading the array unwaited
-    aborts the process (JAX 0.10.2)."""
-    import jax
-
-    from jaxtool.jacobian import op_by_op_note, xla_failed
-
-    try:
-        return jax.block_until_ready(jax.jit(fn)(*args)), None
-    except jax.errors.JaxRuntimeError as error:
-        if not xla_failed(error):
-            raise
-        return jax.block_until_ready(fn(*args)), "note: " + op_by_op_note(error)
 
 
 def _computed_itemsizes(jaxpr) -> list:

@@ -1,0 +1,83 @@
+"""``jaxtool.one_call``: a function computed once, compiled whole or equation by equation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jaxtool
+from jaxtool import one_call
+from jaxtool.graph import flatten
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from bench import float_argnums, load_program  # noqa: E402
+
+WEIGHTS = np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(3, 4)  # closed over as a NumPy constant
+
+
+def mixed(x, h):
+    """An input returned as it is, a value read by several equations, a multi-result equation, a
+    nested jit, a scan and a closed-over NumPy constant."""
+    y = jnp.sin(x) * x
+    a, b = jnp.split(y, [1])
+    carry, ys = lax.scan(lambda c, v: (jnp.tanh(c * v + 0.5), c * v), h, b)
+    z = jax.jit(lambda u: WEIGHTS @ u)(y)
+    return x, jnp.concatenate([a, ys]) * y[0], z, carry
+
+
+def unrolled(x):
+    """150 unrolled steps of a few elementwise operations: many equations of few kinds."""
+    for _ in range(150):
+        x = jnp.sin(x) * 1.01 + x[::-1] * 0.1
+    return x
+
+
+def test_by_equation_computes_what_the_compiled_program_computes():
+    args = (jnp.arange(1.0, 5.0, dtype=jnp.float32), jnp.float32(0.3))
+    program = flatten(jax.make_jaxpr(mixed)(*args))
+    got = one_call.by_equation(program, list(args))
+    want = jax.tree_util.tree_leaves(jax.jit(mixed)(*args))
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+    assert got[0] is args[0]  # (the input itself)
+
+
+def test_a_value_is_dropped_after_its_last_reader():
+    program = flatten(jax.make_jaxpr(unrolled)(jnp.ones(3)))
+    held, most = set(), 0
+    for eqn, dropped in zip(program.eqns, one_call.dropped_after(program)):
+        assert all(atom in held for atom in eqn.invars if isinstance(atom, int))
+        held.update(eqn.outvars)
+        most = max(most, len(held))
+        held.difference_update(dropped)
+    assert held == set(program.outvars)
+    assert len(program.eqns) > 700 and most <= 4  # a step reads the step before only
+
+
+def test_an_unrolled_loop_is_sooner_by_equation_and_a_tensor_program_compiled():
+    assert one_call.by_equation_is_sooner(flatten(jax.make_jaxpr(jaxtool.jacve(unrolled))(jnp.ones(3))))
+    assert one_call.by_equation_is_sooner(flatten(jax.make_jaxpr(jax.jacrev(unrolled))(jnp.ones(3))))
+    f, args = load_program("encoder")
+    encoder_jacobian = jax.make_jaxpr(jaxtool.jacve(f, "rev", float_argnums(args)))(*args)
+    assert not one_call.by_equation_is_sooner(flatten(encoder_jacobian))
+
+
+def test_call_once_takes_either_way_to_the_same_jacobian(monkeypatch):
+    x = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)
+    ways = []
+    real = one_call.by_equation
+    monkeypatch.setattr(one_call, "by_equation", lambda *a: (ways.append("by equation"), real(*a))[1])
+    got, note = one_call.call_once(jaxtool.jacve(unrolled), [x])
+    assert ways == ["by equation"] and note is None
+    np.testing.assert_allclose(got, jax.jacrev(unrolled)(x), rtol=1e-5, atol=1e-6)
+    small = lambda v: {"s": jnp.sin(v) * v}  # noqa: E731
+    got, note = one_call.call_once(jax.jacrev(small), [x])
+    assert ways == ["by equation"] and note is None  # (compiled whole)
+    np.testing.assert_allclose(got["s"], jnp.diag(jnp.cos(x) * x + jnp.sin(x)), rtol=1e-6)
