@@ -16,6 +16,7 @@ from jaxtool._compat import weakly_typed
 from jaxtool.elimination import Problem, blocks, build, run
 from jaxtool.errors import OpByOpWarning
 from jaxtool.graph import flatten
+from jaxtool.one_call import by_equation, by_equation_is_sooner
 from jaxtool.orders import parse_order, resolve_order, vertex_numbers
 from jaxtool.partials import clear_plan_caches, fuses_small_products, written_out_forms
 from jaxtool.rules import custom_rule, leaked_rule_error, writes_out_safely
@@ -187,6 +188,7 @@ class _StagedJacobian:
         self.aux_layouts = {}
         self.custom_rule = None  # the last program traced's first custom rule (rules.custom_rule)
         self.op_by_op = set()  # call signatures whose staged Jacobian XLA could not compile (xla_failed)
+        self.called = set()  # call signatures called before (see first_or_staged)
 
     def trace(self, kinds, args, kwargs) -> tuple:
         """The function traced at ``args`` and ``kwargs`` (:func:`_trace`)."""
@@ -248,6 +250,21 @@ class _StagedJacobian:
             self.kinds = SCALARS
             return result
 
+    def first_or_staged(self, kinds, static, call_tree, dynamic):
+        """``self.staged(kinds, static, call_tree, *dynamic)``, compiled; but the first call of a
+        signature outside any trace runs its traced program equation by equation where that is
+        sooner than compiling it (:func:`jaxtool.one_call.by_equation_is_sooner`: an unrolled loop,
+        many equations of few kinds), and the next call compiles it (``jax.jit`` keeps the trace)."""
+        signature = (kinds, static, call_tree, tuple(jax.typeof(x) for x in dynamic))
+        if signature in self.called or any(isinstance(x, jax.core.Tracer) for x in dynamic):
+            return self.staged(kinds, static, call_tree, *dynamic)
+        self.called.add(signature)
+        traced = self.staged.trace(kinds, static, call_tree, *dynamic)
+        program = flatten(traced.jaxpr)
+        if not by_equation_is_sooner(program):
+            return self.staged(kinds, static, call_tree, *dynamic)
+        return jax.tree_util.tree_unflatten(traced.out_tree, by_equation(program, list(dynamic)))
+
     def op_by_op_call(self, args, kwargs):
         """The Jacobian computed op by op, unstaged (as ``jax.jacrev`` computes outside ``jax.jit``)."""
         return self.with_aux(*self.with_kinds(lambda k: self.parts(k, *args, **kwargs)))
@@ -261,7 +278,7 @@ class _StagedJacobian:
 
         def staged_call(k):
             static, call_tree, dynamic = _split(args, kwargs, self.positions, k)
-            return self.staged(k, static, call_tree, *dynamic), static
+            return self.first_or_staged(k, static, call_tree, dynamic), static
 
         try:
             (result, arrays), static = self.with_kinds(staged_call)
@@ -319,7 +336,9 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
 
     The computation is staged with ``jax.jit``, so repeated calls with the same argument types
     reuse the traced elimination, also through a new ``jacve`` of the same function and arguments
-    (``jacve(f)(x)`` inside a loop compiles once). Python and NumPy integer and boolean scalars
+    (``jacve(f)(x)`` inside a loop compiles once). Outside ``jax.jit``, the first call of a
+    signature whose traced Jacobian has many equations of few kinds (an unrolled loop) runs it
+    equation by equation where that is sooner (:mod:`jaxtool.one_call`); the next call compiles it. Python and NumPy integer and boolean scalars
     among the arguments not differentiated are passed to ``fun`` as they are, as ``jax.jacrev``
     passes them (``fun`` may use them as sizes or in ``if``), and each new value of one is traced
     anew; float scalars are traced, unless ``fun`` needs one concrete (a

@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 
 import jaxtool
-from jaxtool import one_call
+from jaxtool import jacobian as staged_jacobians, one_call
 from jaxtool.graph import flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -30,11 +30,18 @@ def mixed(x, h):
     return x, jnp.concatenate([a, ys]) * y[0], z, carry
 
 
-def unrolled(x):
-    """150 unrolled steps of a few elementwise operations: many equations of few kinds."""
-    for _ in range(150):
+def steps(x, n: int):
+    """``n`` unrolled steps of a few elementwise operations: many equations of few kinds."""
+    for _ in range(n):
         x = jnp.sin(x) * 1.01 + x[::-1] * 0.1
     return x
+
+
+def unrolled(x):
+    """150 steps, run equation by equation only: with the test suite's XLA settings (older loop
+    emitters, LLVM at -O0, see conftest.py) XLA:CPU takes minutes and gigabytes to compile even 20
+    steps' Jacobian."""
+    return steps(x, 150)
 
 
 def test_by_equation_computes_what_the_compiled_program_computes():
@@ -81,3 +88,46 @@ def test_call_once_takes_either_way_to_the_same_jacobian(monkeypatch):
     got, note = one_call.call_once(jax.jacrev(small), [x])
     assert ways == ["by equation"] and note is None  # (compiled whole)
     np.testing.assert_allclose(got["s"], jnp.diag(jnp.cos(x) * x + jnp.sin(x)), rtol=1e-6)
+
+
+def test_jacve_runs_an_unrolled_loop_equation_by_equation_at_its_first_call(monkeypatch):
+    x = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)
+    ways = []
+    real = staged_jacobians.by_equation
+    monkeypatch.setattr(staged_jacobians, "by_equation", lambda *a: (ways.append(len(a[0].eqns)), real(*a))[1])
+    got = jaxtool.jacve(unrolled)(x)  # (not called again: the test suite's XLA settings compile it for minutes)
+    assert len(ways) == 1 and ways[0] > 5000
+    np.testing.assert_allclose(got, jax.jacrev(unrolled)(x), rtol=1e-5, atol=1e-6)
+
+
+def test_jacve_compiles_at_the_second_call_of_a_signature(monkeypatch):
+    # compiling is made to look slow, so that a small program runs equation by equation at its first call
+    monkeypatch.setattr(one_call, "COMPILE_PER_EQUATION", 1.0)
+    x = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)
+    ways = []
+    real = staged_jacobians.by_equation
+    monkeypatch.setattr(staged_jacobians, "by_equation", lambda *a: (ways.append("by equation"), real(*a))[1])
+
+    def with_aux(x, scale=1.0):
+        y = steps(x, 3) * scale
+        return y, {"first": y[0], "label": "steps"}
+
+    jacobian = jaxtool.jacve(with_aux, has_aux=True)
+    calls = [jacobian(x, scale=2.0)]
+    assert ways == ["by equation"]
+    calls += [jacobian(x, scale=2.0), jacobian(x, scale=2.0)]
+    assert ways == ["by equation"]  # (compiled at the second call)
+    calls.append(jacobian(x, scale=3.0))  # a new value of a traced float: the same signature
+    assert ways == ["by equation"]
+    calls.append(jacobian(x[:2]))  # a new signature
+    assert ways == ["by equation"] * 2
+    for got, scale, arg in zip(calls, (2.0, 2.0, 2.0, 3.0, 1.0), (x, x, x, x, x[:2])):
+        want = jax.jacrev(with_aux, has_aux=True)(arg, scale)
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+        assert got[1]["label"] == "steps"
+        for g, w in zip(jax.tree_util.tree_leaves(got[0]), jax.tree_util.tree_leaves(want[0])):
+            assert jax.typeof(g) == jax.typeof(w)
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[1]["first"], want[1]["first"], rtol=1e-6)
+    jax.jit(jaxtool.jacve(lambda v: steps(v, 3)))(x + 1)  # traced inside jax.jit: compiled with it
+    assert ways == ["by equation"] * 2
