@@ -338,7 +338,8 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     reuse the traced elimination, also through a new ``jacve`` of the same function and arguments
     (``jacve(f)(x)`` inside a loop compiles once). Outside ``jax.jit``, the first call of a
     signature whose traced Jacobian has many equations of few kinds (an unrolled loop) runs it
-    equation by equation where that is sooner (:mod:`jaxtool.one_call`); the next call compiles it. Python and NumPy integer and boolean scalars
+    equation by equation where that is sooner (:mod:`jaxtool.one_call`); the next call compiles
+    it. Python and NumPy integer and boolean scalars
     among the arguments not differentiated are passed to ``fun`` as they are, as ``jax.jacrev``
     passes them (``fun`` may use them as sizes or in ``if``), and each new value of one is traced
     anew; float scalars are traced, unless ``fun`` needs one concrete (a

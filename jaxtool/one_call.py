@@ -1,15 +1,16 @@
-"""One call of a function, for the command line: compiled whole by XLA, or equation by equation.
+"""One call of a function: compiled whole by XLA, or equation by equation.
 
-``jaxtool jac`` computes a Jacobian once (and ``--check`` JAX's two). Compiled whole with
-``jax.jit``, XLA:CPU takes about 1 to 2 ms per equation of the program: the encoder's reverse-order
-Jacobian, 392 equations, compiles in 0.64 s, but a Lorenz system integrated over 20 unrolled RK4
-steps has a reverse-order Jacobian of 5965 equations, 10.3 s to compile (its ``jax.jacrev``: 25 s).
-Equation by equation, JAX compiles each distinct equation (primitive, operand types, parameters)
-once, some 30 to 50 ms each, and runs the repeats in microseconds: the Lorenz Jacobian's equations
-are 64 distinct ones, 1.8 s in all (its ``jax.jacrev``: 0.9 s), where the encoder's 129 distinct
-ones of 392 take 6.4 s. :func:`call_once` traces the function and takes the way its equations say
-is sooner (:func:`by_equation_is_sooner`): unrolled loops, many equations of few kinds, go equation
-by equation; the rest is compiled whole.
+``jaxtool jac`` computes a Jacobian once (and ``--check`` JAX's two), and a first call of
+:func:`jaxtool.jacve` outside ``jax.jit`` may be its only one. Compiled whole with ``jax.jit``,
+XLA:CPU takes about 1 to 2 ms per equation of the program: the encoder's reverse-order Jacobian,
+392 equations, compiles in 0.64 s, but a Lorenz system integrated over 20 unrolled RK4 steps has a
+reverse-order Jacobian of 5965 equations, 10.3 s to compile (its ``jax.jacrev``: 25 s). Equation
+by equation, JAX compiles each distinct equation (primitive, operand types, parameters) once, some
+30 to 50 ms each, and runs the repeats in microseconds: the Lorenz Jacobian's equations are 64
+distinct ones, 1.8 s in all (its ``jax.jacrev``: 0.9 s), where the encoder's 129 distinct ones of
+392 take 6.4 s. :func:`by_equation_is_sooner` estimates which way is sooner from the equations:
+unrolled loops, many equations of few kinds, go equation by equation (:func:`by_equation`); the
+rest is compiled whole. :func:`call_once` is the command line's way to compute a function.
 """
 
 from __future__ import annotations
