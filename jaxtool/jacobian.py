@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import warnings
 import weakref
 
@@ -16,7 +17,7 @@ from jaxtool._compat import weakly_typed
 from jaxtool.elimination import Problem, blocks, build, run
 from jaxtool.errors import OpByOpWarning
 from jaxtool.graph import flatten
-from jaxtool.one_call import by_equation, by_equation_is_sooner
+from jaxtool.one_call import by_equation, by_equation_is_sooner, compile_seconds
 from jaxtool.orders import parse_order, resolve_order, vertex_numbers
 from jaxtool.partials import clear_plan_caches, fuses_small_products, written_out_forms
 from jaxtool.rules import custom_rule, leaked_rule_error, writes_out_safely
@@ -170,6 +171,15 @@ def _merge(static, tree, dynamic):
     return jax.tree_util.tree_unflatten(tree, leaves)
 
 
+class _ByEquation:
+    """A call signature's staged Jacobian while its calls run equation by equation
+    (:meth:`_StagedJacobian.first_or_staged`): its flat program, output tree, and the seconds its
+    runs have taken so far."""
+
+    def __init__(self, program, out_tree):
+        self.program, self.out_tree, self.seconds = program, out_tree, 0.0
+
+
 class _StagedJacobian:
     """The staged Jacobian of one function for one ``(order, argnums, has_aux)``, shared by every
     :func:`jacve` of them (see :data:`_SHARED`): the ``jax.jit`` that traces and compiles it per
@@ -188,7 +198,8 @@ class _StagedJacobian:
         self.aux_layouts = {}
         self.custom_rule = None  # the last program traced's first custom rule (rules.custom_rule)
         self.op_by_op = set()  # call signatures whose staged Jacobian XLA could not compile (xla_failed)
-        self.called = set()  # call signatures called before (see first_or_staged)
+        self.compiled = set()  # call signatures staged to be compiled (see first_or_staged)
+        self.by_equation = {}  # call signature -> _ByEquation, while its calls run equation by equation
 
     def trace(self, kinds, args, kwargs) -> tuple:
         """The function traced at ``args`` and ``kwargs`` (:func:`_trace`)."""
@@ -251,19 +262,30 @@ class _StagedJacobian:
             return result
 
     def first_or_staged(self, kinds, static, call_tree, dynamic):
-        """``self.staged(kinds, static, call_tree, *dynamic)``, compiled; but the first call of a
-        signature outside any trace runs its traced program equation by equation where that is
-        sooner than compiling it (:func:`jaxtool.one_call.by_equation_is_sooner`: an unrolled loop,
-        many equations of few kinds), and the next call compiles it (``jax.jit`` keeps the trace)."""
+        """``self.staged(kinds, static, call_tree, *dynamic)``, compiled; but outside any trace, a
+        signature whose traced program is sooner run equation by equation than compiled
+        (:func:`jaxtool.one_call.by_equation_is_sooner`: an unrolled loop, many equations of few
+        kinds) is run so until its runs have taken as long as compiling it is estimated to take
+        (:func:`jaxtool.one_call.compile_seconds`), and compiled at the next call (``jax.jit`` keeps
+        the trace). As a skier rents until the rent paid would have bought the skis: however many
+        calls follow, about twice the time of the better of the two ways at most."""
+        if any(isinstance(x, jax.core.Tracer) for x in dynamic):
+            return self.staged(kinds, static, call_tree, *dynamic)
         signature = (kinds, static, call_tree, tuple(jax.typeof(x) for x in dynamic))
-        if signature in self.called or any(isinstance(x, jax.core.Tracer) for x in dynamic):
+        runs = self.by_equation.get(signature)
+        if runs is None and signature not in self.compiled:
+            traced = self.staged.trace(kinds, static, call_tree, *dynamic)
+            program = flatten(traced.jaxpr)
+            if by_equation_is_sooner(program):
+                runs = self.by_equation[signature] = _ByEquation(program, traced.out_tree)
+        if runs is None or runs.seconds >= compile_seconds(runs.program):
+            self.by_equation.pop(signature, None)
+            self.compiled.add(signature)
             return self.staged(kinds, static, call_tree, *dynamic)
-        self.called.add(signature)
-        traced = self.staged.trace(kinds, static, call_tree, *dynamic)
-        program = flatten(traced.jaxpr)
-        if not by_equation_is_sooner(program):
-            return self.staged(kinds, static, call_tree, *dynamic)
-        return jax.tree_util.tree_unflatten(traced.out_tree, by_equation(program, list(dynamic)))
+        start = time.perf_counter()
+        outs = jax.block_until_ready(by_equation(runs.program, list(dynamic)))
+        runs.seconds += time.perf_counter() - start
+        return jax.tree_util.tree_unflatten(runs.out_tree, outs)
 
     def op_by_op_call(self, args, kwargs):
         """The Jacobian computed op by op, unstaged (as ``jax.jacrev`` computes outside ``jax.jit``)."""
@@ -338,8 +360,9 @@ def jacve(fun, order="rev", argnums=0, has_aux=False):
     reuse the traced elimination, also through a new ``jacve`` of the same function and arguments
     (``jacve(f)(x)`` inside a loop compiles once). Outside ``jax.jit``, the first call of a
     signature whose traced Jacobian has many equations of few kinds (an unrolled loop) runs it
-    equation by equation where that is sooner (:mod:`jaxtool.one_call`); the next call compiles
-    it. Python and NumPy integer and boolean scalars
+    equation by equation where that is sooner (:mod:`jaxtool.one_call`), and so do the next calls
+    until their runs have taken as long as compiling it is estimated to take; the call after that
+    compiles it. Python and NumPy integer and boolean scalars
     among the arguments not differentiated are passed to ``fun`` as they are, as ``jax.jacrev``
     passes them (``fun`` may use them as sizes or in ``if``), and each new value of one is traced
     anew; float scalars are traced, unless ``fun`` needs one concrete (a

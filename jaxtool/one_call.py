@@ -1,7 +1,7 @@
 """One call of a function: compiled whole by XLA, or equation by equation.
 
-``jaxtool jac`` computes a Jacobian once (and ``--check`` JAX's two), and a first call of
-:func:`jaxtool.jacve` outside ``jax.jit`` may be its only one. Compiled whole with ``jax.jit``,
+``jaxtool jac`` computes a Jacobian once (and ``--check`` JAX's two), and the first calls of
+:func:`jaxtool.jacve` outside ``jax.jit`` may be its only ones. Compiled whole with ``jax.jit``,
 XLA:CPU takes about 1 to 2 ms per equation of the program: the encoder's reverse-order Jacobian,
 392 equations, compiles in 0.64 s, but a Lorenz system integrated over 20 unrolled RK4 steps has a
 reverse-order Jacobian of 5965 equations, 10.3 s to compile (its ``jax.jacrev``: 25 s). Equation
@@ -59,8 +59,12 @@ def by_equation_is_sooner(program) -> bool:
     estimated sooner than compiling it whole (:data:`COMPILE_PER_EQUATION`, :data:`FIRST_OF_A_KIND`,
     :data:`REPEAT`; an equation of a nested jaxpr, a loop's body, is part of its loop's kind)."""
     kinds = {_kind(program, eqn) for eqn in program.eqns}
-    n = len(program.eqns)
-    return len(kinds) * FIRST_OF_A_KIND + n * REPEAT < n * COMPILE_PER_EQUATION
+    return len(kinds) * FIRST_OF_A_KIND + len(program.eqns) * REPEAT < compile_seconds(program)
+
+
+def compile_seconds(program) -> float:
+    """The seconds XLA:CPU is estimated to take to compile ``program`` whole (:data:`COMPILE_PER_EQUATION`)."""
+    return len(program.eqns) * COMPILE_PER_EQUATION
 
 
 def by_equation(program, args) -> list:

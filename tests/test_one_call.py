@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -105,8 +107,9 @@ def test_jacve_runs_an_unrolled_loop_equation_by_equation_at_its_first_call(monk
     np.testing.assert_allclose(got, jax.jacrev(unrolled)(x), rtol=1e-5, atol=1e-6)
 
 
-def test_jacve_compiles_at_the_second_call_of_a_signature(monkeypatch):
-    # compiling is made to look slow, so that a small program runs equation by equation at its first call
+def test_jacve_runs_a_signature_equation_by_equation_until_that_took_as_long_as_compiling(monkeypatch):
+    # compiling is made to look slow (a second per equation), so that a small program runs
+    # equation by equation; then fast, so that the next call compiles it
     monkeypatch.setattr(one_call, "COMPILE_PER_EQUATION", 1.0)
     x = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)
     ways = recorded_by_equation(monkeypatch, staged_jacobians)
@@ -116,15 +119,15 @@ def test_jacve_compiles_at_the_second_call_of_a_signature(monkeypatch):
         return y, {"first": y[0], "label": "steps"}
 
     jacobian = jaxtool.jacve(with_aux, has_aux=True)
-    calls = [jacobian(x, scale=2.0)]
-    assert len(ways) == 1
-    calls += [jacobian(x, scale=2.0), jacobian(x, scale=2.0)]
-    assert len(ways) == 1  # (compiled at the second call)
-    calls.append(jacobian(x, scale=3.0))  # a new value of a traced float: the same signature
-    assert len(ways) == 1
+    calls = [jacobian(x, scale=2.0), jacobian(x, scale=2.0), jacobian(x, scale=2.0)]
+    assert len(ways) == 3  # (their runs took well under the minute compiling is estimated at)
+    monkeypatch.setattr(one_call, "COMPILE_PER_EQUATION", 1e-9)
+    calls += [jacobian(x, scale=2.0), jacobian(x, scale=3.0)]  # (a new value of a traced float: the same signature)
+    assert len(ways) == 3  # (compiled)
+    monkeypatch.setattr(one_call, "COMPILE_PER_EQUATION", 1.0)
     calls.append(jacobian(x[:2]))  # a new signature
-    assert len(ways) == 2
-    for got, scale, arg in zip(calls, (2.0, 2.0, 2.0, 3.0, 1.0), (x, x, x, x, x[:2])):
+    assert len(ways) == 4
+    for got, scale, arg in zip(calls, (2.0, 2.0, 2.0, 2.0, 3.0, 1.0), (x, x, x, x, x, x[:2])):
         want = jax.jacrev(with_aux, has_aux=True)(arg, scale)
         assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
         assert got[1]["label"] == "steps"
@@ -133,4 +136,21 @@ def test_jacve_compiles_at_the_second_call_of_a_signature(monkeypatch):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got[1]["first"], want[1]["first"], rtol=1e-6)
     jax.jit(jaxtool.jacve(lambda v: steps(v, 3)))(x + 1)  # traced inside jax.jit: compiled with it
-    assert len(ways) == 2
+    assert len(ways) == 4
+
+
+def test_jacve_compiles_once_its_runs_by_equation_took_as_long_as_compiling_would(monkeypatch):
+    clock = itertools.count(step=0.5)  # each run equation by equation takes half a second
+    monkeypatch.setattr(staged_jacobians, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(staged_jacobians, "by_equation_is_sooner", lambda program: True)
+    monkeypatch.setattr(staged_jacobians, "compile_seconds", lambda program: 1.2)
+    ways = recorded_by_equation(monkeypatch, staged_jacobians)
+
+    def two_steps(x):
+        return steps(x, 2)
+
+    x = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)
+    jacobian = jaxtool.jacve(two_steps)
+    for k in range(5):
+        np.testing.assert_allclose(jacobian(x + k), jax.jacrev(two_steps)(x + k), rtol=1e-5, atol=1e-6)
+    assert len(ways) == 3  # 0.5, 1.0, then 1.5 s of runs: the fourth call compiles
