@@ -20,9 +20,18 @@ from jax.extend import core as jcore
 
 from jaxtool.graph import bind, flatten, read
 
-#: seconds XLA:CPU takes to compile one equation of a whole program (1.7 ms measured; 1 ms here
-#: so that a program goes equation by equation only where that is clearly sooner)
+#: seconds XLA:CPU takes to compile one equation of a whole program of a few hundred equations
+#: (0.5-1.7 ms measured; 1 ms here so that such a program goes equation by equation only where
+#: that is clearly sooner)
 COMPILE_PER_EQUATION = 1e-3
+#: equations at which XLA:CPU's compile time per equation has doubled: it grows with the program,
+#: as the chains of elementwise operations that its fusion passes walk grow longer. Reverse-order
+#: Jacobians of unrolled RK4 steps of the Lorenz system: 20 steps, 5965 equations, 10.3-10.7 s
+#: (estimated 13.1 s); 50 steps, 14755 equations, 80 s (58 s). ``jax.jacrev``'s compile slower
+#: still (Lorenz: 3648 equations 25 s, 9108 equations 446 s; 40 and 80 steps of
+#: ``sin(x) * 1.01 + x[::-1] * 0.1``: 488 equations 0.22 s, 968 equations 236 s), so a long
+#: program whose estimates are close goes equation by equation, whose time is steadier
+COMPILE_DOUBLING = 5000
 #: seconds JAX takes to compile and run an equation of a kind it has not run before (30-50 ms)
 FIRST_OF_A_KIND = 50e-3
 #: seconds JAX takes to run an equation of a kind it has compiled already (10-30 us)
@@ -56,15 +65,17 @@ def call_once(fn, args) -> tuple:
 
 def by_equation_is_sooner(program) -> bool:
     """Whether running ``program`` (a :class:`~jaxtool.graph.FlatProgram`) equation by equation is
-    estimated sooner than compiling it whole (:data:`COMPILE_PER_EQUATION`, :data:`FIRST_OF_A_KIND`,
+    estimated sooner than compiling it whole (:func:`compile_seconds`, :data:`FIRST_OF_A_KIND`,
     :data:`REPEAT`; an equation of a nested jaxpr, a loop's body, is part of its loop's kind)."""
     kinds = {_kind(program, eqn) for eqn in program.eqns}
     return len(kinds) * FIRST_OF_A_KIND + len(program.eqns) * REPEAT < compile_seconds(program)
 
 
 def compile_seconds(program) -> float:
-    """The seconds XLA:CPU is estimated to take to compile ``program`` whole (:data:`COMPILE_PER_EQUATION`)."""
-    return len(program.eqns) * COMPILE_PER_EQUATION
+    """The seconds XLA:CPU is estimated to take to compile ``program`` whole (:data:`COMPILE_PER_EQUATION`,
+    :data:`COMPILE_DOUBLING`)."""
+    n = len(program.eqns)
+    return n * COMPILE_PER_EQUATION * (1 + n / COMPILE_DOUBLING)
 
 
 def by_equation(program, args) -> list:
@@ -91,7 +102,8 @@ def dropped_after(program) -> list:
             if isinstance(atom, int):
                 last[atom] = index
     for atom in program.outvars:
-        last.pop(atom, None)
+        if isinstance(atom, int):  # (an output may be an input or a constant, which are not dropped)
+            last.pop(atom, None)
     dropped = [[] for _ in program.eqns]
     for vertex, index in last.items():
         dropped[index].append(vertex)
