@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 import jaxtool
+import program_generator as pg
 from jaxtool import jacobian as staged_jacobians, one_call
 from jaxtool.graph import flatten
 
@@ -163,3 +164,26 @@ def test_jacve_compiles_once_its_runs_by_equation_took_as_long_as_compiling_woul
     for k in range(5):
         np.testing.assert_allclose(jacobian(x + k), jax.jacrev(two_steps)(x + k), rtol=1e-5, atol=1e-6)
     assert len(ways) == 3  # 0.5, 1.0, then 1.5 s of runs: the fourth call compiles
+
+
+def test_by_equation_computes_what_the_compiled_program_computes_on_generated_programs():
+    # the Jacobians of random programs (control flow, custom rules, gathers and scatters, sorts,
+    # constants, outputs that are inputs or constants) in two orders, run both ways
+    checked = 0
+    for seed in range(20):
+        case = next((c for c in (pg.generated(seed, attempt) for attempt in range(pg.MAX_ATTEMPTS))
+                     if pg.reference(c) is not None), None)
+        if case is None:
+            continue
+        args = jax.tree_util.tree_leaves(case.inputs)
+        for order in ("rev", "markowitz"):
+            jacobian = jaxtool.jacve(case.fun, order, case.argnums, case.has_aux)
+            closed = jax.make_jaxpr(jacobian)(*case.inputs)
+            want = jax.jit(jax.extend.core.jaxpr_as_fun(closed))(*args)
+            got = one_call.by_equation(flatten(closed), args)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert jax.typeof(g) == jax.typeof(w), (seed, order)
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=f"seed {seed} {order}")
+            checked += 1
+    assert checked >= 34
