@@ -368,6 +368,24 @@ def test_a_jitted_reference_that_alone_differs_is_named(small_case):
         assert result.ok and result.reason.startswith("jax.jit(jax.jacrev) alone differs")
 
 
+def test_a_program_without_forward_mode_gets_no_jacfwd_opinion(small_case):
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def sine(x):
+        return jnp.sin(x)
+
+    sine.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda cos_x, g: (cos_x * g,))
+    # jax.jacfwd raises on a custom_vjp function; the checker crashed there (fuzz seed 134282)
+    case = dataclasses.replace(small_case, fun=lambda v: sine(v) * 2, argnums=0, has_aux=False,
+                               inputs=(np.linspace(0.1, 0.9, 3).astype(np.float32),))
+    orders = pg.orders_for(case, 1)
+    assert not pg._only_the_jitted_reference_differs(case, orders, pg._jacobians(case, orders))
+
+
 def test_differences_no_second_opinion_clears_are_failures(monkeypatch, small_case):
     monkeypatch.setattr(pg, "compare", _differing_values)
     monkeypatch.setattr(pg, "_reference_branch_differs", lambda case: False)
