@@ -498,11 +498,15 @@ class Linear(Partial):
     #: order of the parts (``len(parts) * n_out``), so that products and densification read them
     #: at once instead of stacking the parts' scales again
     stacked: Optional[jax.Array] = field(default=None, compare=False)
-    #: for a partial of an opaque equation: ``(pullbacks, terms)``, the equation's :class:`JointPullback`
-    #: for this output, so that one VJP serves all its inputs, and per term ``(i, after)``: an input
-    #: position of the equation and the map of a cotangent of that input on to this partial's input
-    #: (None: the same). One term for the partial itself; more for the sum of the partials of an input
-    #: the equation reads twice; ``after`` for the partial after a linear map (:func:`_joint_after`)
+    #: for a partial of opaque equations: its terms ``(pullbacks, before, i, after, scale)``, so that one VJP
+    #: of an equation's output serves the partials of all its inputs: that output's
+    #: :class:`JointPullback`; None, or a selection after the output (an element of a loop's result,
+    #: :func:`_linear_linear`) whose transpose takes this partial's cotangents to the output's; an input
+    #: position of the equation; and the map of a cotangent of that input on to this partial's input
+    #: (None: the same; else for the partial after a linear map, :func:`_joint_after`). One term for the
+    #: partial itself; more for a sum: of the partials of an input the equation reads twice, or of the
+    #: paths through several of a loop's results (a stack of its angle and velocity). ``scale``: None,
+    #: or for a term of a sum, the scale of the partial it came from (the sum has none of its own)
     joint: Optional[tuple] = field(default=None, compare=False)
     #: how deeply ``fn`` and ``fn_t`` nest calls of other Linears' functions, those applied first
     #: (:func:`_warm`) not counted: ``(forward, backward)`` (see :func:`_nesting`, :func:`_bounded`)
@@ -584,9 +588,9 @@ class Linear(Partial):
         return cast(_zero_unless(one_hot, cast(scale, self.dtype)), self.dtype)
 
     def _joint(self):
-        """``(pullbacks, terms)`` where one VJP of the whole equation can stand for this partial's (its
-        scale, if any, applied to the cotangents first: :func:`_joint_rows`)."""
-        if self.joint is None or self.fn is None or not self.joint[0].usable():
+        """This partial's terms (:attr:`Linear.joint`) where VJPs of whole equations can stand for its
+        transpose (its scale, if any, applied to the cotangents first: :func:`_joint_rows`)."""
+        if self.joint is None or self.fn is None or not all(term[0].usable() for term in self.joint):
             return None
         return self.joint
 
@@ -603,7 +607,8 @@ class Linear(Partial):
     def to_dense(self):
         """The dense Jacobian block, shape ``out_shape + in_shape``, through the smaller basis."""
         n_in, n_out = _size(self.in_shape), _size(self.out_shape)
-        if self.joint is not None and n_out < self.joint[0].total_in and self._joint() is not None:
+        if self.joint is not None and n_out < min(term[0].total_in for term in self.joint) \
+                and self._joint() is not None:
             # rows of all of the equation's blocks at once
             rows = _joint_rows(self.joint, None, jnp.eye(n_out, dtype=self.dtype).reshape((n_out,) + self.out_shape),
                                self.scale if self.has_scale else None)
@@ -753,8 +758,17 @@ def _transposed_index(index, in_shape, pairs):
 
 def matmul(b: Partial, a: Partial) -> tuple[Partial, Cost]:
     """The partial of ``u -> w`` through ``v``: ``b o a`` for ``a: u -> v`` and ``b: v -> w``."""
+    if selects_nothing(b) or selects_nothing(a):  # (an element of a stack that a later slice leaves out)
+        nothing = selection_from_index(b.out_shape, a.in_shape, np.full(b.out_shape, -1), _result_dtype(a, b))
+        return (nothing.plan() if a.abstract or b.abstract else nothing), Cost()
     product, cost = _product(b, a)
     return _bounded(product), cost
+
+
+def selects_nothing(x: Partial) -> bool:
+    """Whether ``x`` is a selection known while tracing to select no element: exactly zero, as are
+    its products with any partial."""
+    return isinstance(x, Linear) and x.selection and not x.parts and x.index is not None and bool((x.index < 0).all())
 
 
 #: A Linear whose functions nest calls of others' deeper than this (a chain of hundreds of sorts or
@@ -1410,11 +1424,24 @@ def _linear_linear(b: Linear, a: Linear) -> tuple[Linear, Cost]:
     # of a composition, whose transpose each use of the rows would trace anew (a chain of scatters)
     if fn_t is not None and not push and a.index is not None and not a.calls:
         joint = _joint_after(b, a_t)
+    # a selection b (an element of a loop's result) after a's equations: the rows taken back through b
+    # once (per use of the rows), then each equation's one VJP, shared by the partials of all its inputs
+    elif fn_t is not None and not push and not embed and b.index is not None and a.joint is not None:
+        joint = None if any(term[4] is not None for term in a.joint) else \
+            tuple(term for term in ((pullbacks, b if before is None else _before_before(b, before), i, after, None)
+                                    for pullbacks, before, i, after, _ in a.joint)
+                  if not selects_nothing(term[1])) or None  # (a selection of nothing: a zero term)
     traced_index = None
     if result.selection and index is None and _has_index(a) and _has_index(b):
         traced_index = lambda: _compose_index(_index_of(b), _index_of(a))  # noqa: E731
     return _zero_where_unselected(replace(result, fn=fn, fn_t=fn_t, scale=scale, depth=_nesting(calls, dtype),
                                           calls=calls, joint=joint, traced_index=traced_index)), cost
+
+
+def _before_before(b: Linear, before: Linear) -> Linear:
+    """The selection ``b o before``, one object per pair while results are kept, so that the partials
+    of all an equation's inputs keep one selection before its output (:attr:`Linear.joint`)."""
+    return _kept(("before", id(b), id(before)), lambda: matmul(b, before)[0], b, before)
 
 
 def _has_index(x: Linear) -> bool:
@@ -1477,8 +1504,9 @@ def _sparse_after_linear(b: Sparse, a: Linear) -> tuple[Partial, Cost]:
         in_order = b.pairs == tuple(range(len(b.pairs)))
         calls = ((a, None, None if in_order else object()),)
         joint = a.joint  # (the same map, scaled and transposed: the equation's VJP still serves)
-        if joint is not None and not in_order:
-            joint = (joint[0].transposed(b.pairs), joint[1])
+        if joint is not None and not in_order:  # (a selection before the output's VJP: not so)
+            joint = None if any(term[1] is not None or term[4] is not None for term in joint) else \
+                tuple((pullbacks.transposed(b.pairs),) + tuple(rest) for pullbacks, *rest in joint)
         traced_index = None
         if a.traced_index is not None:
             traced_index = lambda: lax.transpose(_index_of(a), b.pairs)  # noqa: E731
@@ -1534,10 +1562,12 @@ class JointPullback:
     where JAX cannot transpose the equation (``while``), the partials pull back alone.
     """
 
-    def __init__(self, make_vjp: Callable, out_struct, total_in: int):
+    def __init__(self, make_vjp: Callable, out_struct, total_in: int, family: Optional["OutputsPullback"] = None,
+                 k: int = 0):
         self._make_vjp = make_vjp  # () -> vjp, called once, when first needed
         self._out_struct = out_struct  # the output's ShapeDtypeStruct
         self.total_in = total_in  # elements of all the differentiated inputs together
+        self.family, self.k = family, k  # the VJP of all the equation's outputs, and this one's position
         self._usable = None
         self._memo = {}
         self._transposed = {}
@@ -1555,23 +1585,27 @@ class JointPullback:
                 self._usable = False
         return self._usable
 
-    def pull(self, source, block, scale=None, pairs: Optional[tuple] = None) -> tuple:
+    def pull(self, source, block, scale=None, before=None, pairs: Optional[tuple] = None) -> tuple:
         """Cotangents of every input for the cotangents ``block`` (leading axis: rows) that came
         from ``source`` (this object itself for the identity rows of densifying), each times ``scale``
-        first where given, then laid out as the output's (:func:`_untransposer`) where they are
-        of its transpose by ``pairs``; computed once per ``source``, ``scale`` and ``pairs``."""
+        first where given, then taken back through the selection ``before`` where given (see
+        :attr:`Linear.joint`), then laid out as the output's (:func:`_untransposer`) where they are
+        of its transpose by ``pairs``; computed once per ``source``, ``scale``, ``before`` and ``pairs``."""
         def pulled():
             c = block if scale is None else block * cast(scale, block.dtype)
+            if before is not None:
+                c = _vmapped(before.backward(), cast(c, before.dtype))
             if pairs is not None:
                 c = jnp.transpose(c, (0,) + tuple(1 + int(i) for i in np.argsort(pairs)))
             return _vmapped(self._vjp(), cast(c, self._out_struct.dtype))  # (a bfloat16 output's: bfloat16)
 
         if _APPLICATIONS.nested:  # (what it makes belongs to the nested trace: see _made_once)
-            return _kept(("pulled", id(self), id(source), id(scale), pairs), pulled, self, source, scale)
-        key = (id(source), id(scale), pairs)
+            return _kept(("pulled", id(self), id(source), id(scale), id(before), pairs), pulled, self, source, scale,
+                         before)
+        key = (id(source), id(scale), id(before), pairs)
         if key not in self._memo:
-            self._memo[key] = (source, scale, pulled())  # (kept alive: their ids stay their own)
-        return self._memo[key][2]
+            self._memo[key] = (source, scale, before, pulled())  # (kept alive: their ids stay their own)
+        return self._memo[key][3]
 
     def transposed(self, pairs: tuple):
         """This VJP for cotangents of the output transposed by ``pairs`` (one object per ``pairs``)."""
@@ -1581,6 +1615,61 @@ class JointPullback:
         if pairs not in self._transposed:
             self._transposed[pairs] = _TransposedPullback(self, pairs)
         return self._transposed[pairs]
+
+
+class OutputsPullback:
+    """The VJP of all of one equation's outputs with respect to all its differentiated inputs: where
+    the rows pulled back through a partial reach several outputs of one equation (a stack of a loop's
+    angle and velocity), one VJP of their cotangents together serves them all, as in ``jax.jacrev``,
+    not one per output (:func:`_joint_rows`). ``make_vjp()`` returns the map from the tuple of every
+    output's cotangent to the tuple of input cotangents; ``out_structs`` are the outputs'
+    ShapeDtypeStructs (an integer output's cotangent is a ``float0`` zero)."""
+
+    def __init__(self, make_vjp: Callable, out_structs: list):
+        self._make_vjp = make_vjp
+        self._out_structs = out_structs
+        self._memo = {}
+
+    def pull(self, source, block, routes: tuple) -> tuple:
+        """Input cotangents for the cotangents ``block`` (leading axis: rows, from ``source``) that
+        reach output ``k``, times ``scale`` where given, through the selection ``before`` where given,
+        for each ``(k, before, scale)`` of ``routes``, summed; computed once per ``source`` and
+        ``routes``."""
+        def pulled():
+            cotangents = {}
+            for k, before, scale in routes:
+                ck = block if scale is None else block * cast(scale, block.dtype)
+                ck = ck if before is None else _vmapped(before.backward(), cast(ck, before.dtype))
+                ck = cast(ck, self._out_structs[k].dtype)
+                cotangents[k] = ck if k not in cotangents else lax.add(cotangents[k], ck)
+            ks = list(cotangents)
+            vjp = _made_once(self, "made_vjp", self._make_vjp)
+
+            def one(*rows):
+                full = [rows[ks.index(k)] if k in cotangents else _zero_cotangent(x)
+                        for k, x in enumerate(self._out_structs)]
+                return vjp(tuple(full))
+
+            stacked = [cotangents[k] for k in ks]
+            if stacked[0].shape[0] == 1:  # (as _vmapped: a stack of one applied unbatched)
+                return jax.tree_util.tree_map(lambda y: lax.expand_dims(y, (0,)),
+                                              one(*(lax.squeeze(x, (0,)) for x in stacked)))
+            return jax.vmap(apart(one))(*stacked)
+
+        key = (id(source),) + tuple((k, id(before), id(scale)) for k, before, scale in routes)
+        alive = (source,) + tuple(before for _, before, _ in routes) + tuple(scale for _, _, scale in routes)
+        if _APPLICATIONS.nested:  # (what it makes belongs to the nested trace: see _made_once)
+            return _kept(("pulled together", id(self)) + key, pulled, self, *alive)
+        if key not in self._memo:
+            self._memo[key] = (alive, pulled())  # (kept alive: their ids stay their own)
+        return self._memo[key][1]
+
+
+def _zero_cotangent(struct):
+    """A zero cotangent of an output of this ShapeDtypeStruct (``float0`` for an integer one)."""
+    if jnp.issubdtype(struct.dtype, jnp.inexact):
+        return jnp.zeros(struct.shape, struct.dtype)
+    return np.zeros(struct.shape, jax.dtypes.float0)
 
 
 class _TransposedPullback:
@@ -1593,8 +1682,8 @@ class _TransposedPullback:
     def usable(self) -> bool:
         return self.inner.usable()
 
-    def pull(self, source, block, scale=None) -> tuple:
-        return self.inner.pull(source, block, scale, self.pairs)
+    def pull(self, source, block, scale=None, before=None) -> tuple:
+        return self.inner.pull(source, block, scale, before, self.pairs)
 
     def transposed(self, pairs: tuple):
         """For cotangents transposed by ``pairs`` once more: the inner VJP's, both transposes in one."""
@@ -1605,16 +1694,58 @@ class _TransposedPullback:
 def _joint_rows(joint: tuple, source, block, scale=None):
     """The cotangents ``block`` (leading axis: rows, from ``source``: see :meth:`JointPullback.pull`;
     None: the identity rows of densifying) pulled back through a partial with this ``joint`` and
-    ``scale`` (None: none): the equation's one VJP of the scaled rows, each term's input's
-    cotangents mapped on by its ``after``, summed. The partials of one equation's inputs scaled
-    alike (``tanh(solve(a, b))`` in reverse order: ``tanh'`` on both) share that VJP."""
-    pullbacks, terms = joint
-    pulled = pullbacks.pull(pullbacks if source is None else source, block, scale)
+    ``scale`` (None: none): per output and selection before it (:attr:`Linear.joint`), the one VJP
+    of the scaled rows, each term's input's cotangents mapped on by its ``after``, summed. The
+    partials of one equation's inputs scaled alike (``tanh(solve(a, b))`` in reverse order: ``tanh'``
+    on both) share that VJP, as do those of all a loop's inputs reached through an element of its
+    result."""
     total = None
-    for i, after in terms:
-        rows = pulled[i] if after is None else _vmapped(after, pulled[i])
-        total = rows if total is None else lax.add(total, cast(rows, total.dtype))
+    for family, terms in _by_family(joint):
+        if family is None:
+            pulled = [((i, after), pullbacks.pull(pullbacks if source is None else source, block,
+                                                  _both_scales(scale, term_scale), before))
+                      for pullbacks, before, i, after, term_scale in terms]
+        else:
+            routes = {}
+            for pullbacks, before, _, _, term_scale in terms:
+                both = _both_scales(scale, term_scale)
+                routes.setdefault((pullbacks.k, id(before), id(both)), (pullbacks.k, before, both))
+            routes = tuple(routes.values())
+            together = family.pull(family if source is None else source, block, routes)
+            pulled = [(key, together) for key in dict.fromkeys((i, after) for _, _, i, after, _ in terms)]
+        for (i, after), cotangents in pulled:
+            rows = cotangents[i] if after is None else _vmapped(after, cotangents[i])
+            total = rows if total is None else lax.add(total, cast(rows, total.dtype))
     return total
+
+
+def _both_scales(scale, term_scale):
+    """The product of a partial's scale and a term's (either may be None), one array per pair while
+    results are kept: the partials of all an equation's inputs then pull back the same rows."""
+    if scale is None or term_scale is None:
+        return term_scale if scale is None else scale
+    return _kept(("both scales", id(scale), id(term_scale)), lambda: scale * term_scale, scale, term_scale)
+
+
+def _by_family(joint: tuple) -> list:
+    """The terms of ``joint`` as ``(family, terms)``: those whose rows one VJP of all their
+    equation's outputs serves (:class:`OutputsPullback`; their routes, an output and the selection
+    before it, times their inputs, each input with its map after) together, each other alone
+    (family None)."""
+    groups = {}
+    for term in joint:
+        family = getattr(term[0], "family", None)
+        groups.setdefault(id(family) if family is not None else ("alone", len(groups)), (family, []))[1].append(term)
+    result = []
+    for family, terms in groups.values():
+        routes = set((id(p), id(b), id(s)) for p, b, _, _, s in terms)
+        inputs = set((i, id(a)) for _, _, i, a, _ in terms)
+        pairs = set(((id(p), id(b), id(s)), (i, id(a))) for p, b, i, a, s in terms)
+        if family is not None and len(routes) > 1 and len(pairs) == len(routes) * len(inputs) == len(terms):
+            result.append((family, terms))
+        else:
+            result.extend((None, [term]) for term in terms)
+    return result
 
 
 def _joint_after(b: Linear, a_t: Callable) -> Optional[tuple]:
@@ -1623,8 +1754,8 @@ def _joint_after(b: Linear, a_t: Callable) -> Optional[tuple]:
     term's cotangents then mapped through ``a_t``; None where ``b`` has none."""
     if b.joint is None:
         return None
-    pullbacks, terms = b.joint
-    return pullbacks, tuple((i, a_t if after is None else (lambda c, after=after: a_t(after(c)))) for i, after in terms)
+    return tuple((pullbacks, before, i, a_t if after is None else (lambda c, after=after: a_t(after(c))), scale)
+                 for pullbacks, before, i, after, scale in b.joint)
 
 
 def _rows_through_index(b: Sparse, a: Linear, row_shape: tuple, dtype):
@@ -2029,6 +2160,11 @@ def _linear_after_sparse(b: Linear, a: Sparse) -> tuple[Partial, Cost]:
 
 def add(x: Partial, y: Partial) -> tuple[Partial, Cost]:
     """The sum of two partials of the same edge, at their cheapest common structure."""
+    dtype = promoted(x.dtype, y.dtype)
+    if selects_nothing(y) and x.dtype == dtype:
+        return x, Cost()
+    if selects_nothing(x) and y.dtype == dtype:
+        return y, Cost()
     total, cost = _sum(x, y)
     return _bounded(total), cost
 
@@ -2163,9 +2299,10 @@ def _linear_add(x: Linear, y: Linear) -> tuple[Linear, Cost]:
     fn = lambda t: x.apply(t) + y.apply(t)  # noqa: E731
     fn_t = (lambda c: x.apply_t(c) + y.apply_t(c)) if _transposable(x) and _transposable(y) else None  # noqa: E731
     calls = _summed_calls((x, y))
-    joint = None  # the partials of an input the equation reads twice: one VJP, both terms
-    if x.joint is not None and y.joint is not None and x.joint[0] is y.joint[0] and not (x.has_scale or y.has_scale):
-        joint = (x.joint[0], x.joint[1] + y.joint[1])
+    joint = None  # the terms of both (an input an equation reads twice: one VJP serves both)
+    if x.joint is not None and y.joint is not None:  # (each partial's scale moved into its terms)
+        joint = tuple((p, b, i, a, _both_scales(part.scale if part.has_scale else None, s))
+                      for part in (x, y) for p, b, i, a, s in part.joint)
     return replace(result, fn=fn, fn_t=fn_t, depth=_nesting(calls, dtype), calls=calls, joint=joint), cost
 
 

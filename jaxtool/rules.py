@@ -28,8 +28,8 @@ from jax.extend.core import primitives as P
 from jaxtool._compat import split_p, stack_p, unstack_p
 from jaxtool.errors import UnsupportedError
 from jaxtool.graph import NUMPY_RULES, PRIMAL_RULES, FlatEqn, bind
-from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, Sparse, ValueNotes, apart, cast, promoted,
-                              reshaped, selection_from_index, sum_of_selections)
+from jaxtool.partials import (MAX_PARTS, JointPullback, Linear, OutputsPullback, Sparse, ValueNotes, apart, cast,
+                              promoted, reshaped, selection_from_index, sum_of_selections)
 from jaxtool.printing import subjaxprs
 from jaxtool.point_forms import two_forms_p
 from jaxtool.sharing import materialize_p, once_p
@@ -1222,13 +1222,27 @@ def opaque(eqn, invals, outvals, wrt):
             raise _cannot_differentiate(eqn, jvp_error) from jvp_error
     n_out = sum(int(np.prod(_shape(outvals[k]))) for k in outs)
     total_in = sum(int(np.prod(_shape(invals[i]))) for i in wrt)
-    joint = {k: JointPullback(lambda k=k: _vjp_of_output(eqn, invals, wrt, k),
-                              jax.ShapeDtypeStruct(_shape(outvals[k]), jax.typeof(outvals[k]).dtype), total_in)
+    structs = [jax.ShapeDtypeStruct(_shape(y), jax.typeof(y).dtype) for y in outvals]
+    family = OutputsPullback(lambda: _vjp_of_outputs(eqn, invals, wrt), structs) if len(outs) > 1 else None
+    joint = {k: JointPullback(lambda k=k: _vjp_of_output(eqn, invals, wrt, k), structs[k], total_in, family, k)
              for k in outs}
     return [(i, k, replace(_linear_from_jvp(eqn, invals, outvals, i, k, selection=False, flops=n_out, opaque=True,
                                             carrying=wrt),
-                           joint=(joint[k], ((n, None),))))
+                           joint=((joint[k], None, n, None, None),)))
             for n, i in enumerate(wrt) for k in outs]
+
+
+def _vjp_of_outputs(eqn, invals, wrt) -> Callable:
+    """The VJP of all of ``eqn``'s outputs with respect to its inputs ``wrt`` together: the tuple of
+    output cotangents -> tuple of input cotangents."""
+    def of_wrt(*xs):
+        full = list(invals)
+        for i, x in zip(wrt, xs):
+            full[i] = x
+        out = bind(eqn, *full)
+        return tuple(out) if eqn.primitive.multiple_results else (out,)
+
+    return jax.vjp(of_wrt, *(invals[i] for i in wrt))[1]
 
 
 def _vjp_of_output(eqn, invals, wrt, k) -> Callable:
