@@ -632,19 +632,20 @@ class Linear(Partial):
         return rows.reshape(self.shape)
 
 
-def _vmapped(f, xs):
-    """``jax.vmap(f)(xs)``: a linear map applied to a stack of tangents or cotangents at once. Where
-    JAX cannot batch ``f`` (a primitive whose batching rule does not handle this axis, as
-    ``lax.ragged_dot``'s JVP: "vmap over any dim but 0 - NYI"), ``lax.map``: the same values, one
-    application after another (``jax.jacfwd`` and ``jax.jacrev`` fail there). A stack of one is
-    applied unbatched: XLA:CPU (jaxlib 0.10.2) laid a batched inverse FFT's (1, 1) operand out
-    column-major next to a LAPACK solve and failed its FFT thunk's layout check (fuzz seed 113190)."""
-    if xs.shape[0] == 1:
-        return jax.tree_util.tree_map(lambda y: lax.expand_dims(y, (0,)), f(lax.squeeze(xs, (0,))))
+def _vmapped(f, *xs):
+    """``jax.vmap(f)(*xs)``: a linear map applied to stacks of tangents or cotangents at once (one
+    stack per argument of ``f``, of one length). Where JAX cannot batch ``f`` (a primitive whose
+    batching rule does not handle this axis, as ``lax.ragged_dot``'s JVP: "vmap over any dim but 0 -
+    NYI"), ``lax.map``: the same values, one application after another (``jax.jacfwd`` and
+    ``jax.jacrev`` fail there). A stack of one is applied unbatched: XLA:CPU (jaxlib 0.10.2) laid a
+    batched inverse FFT's (1, 1) operand out column-major next to a LAPACK solve and failed its FFT
+    thunk's layout check (fuzz seed 113190)."""
+    if xs[0].shape[0] == 1:
+        return jax.tree_util.tree_map(lambda y: lax.expand_dims(y, (0,)), f(*(lax.squeeze(x, (0,)) for x in xs)))
     try:
-        return jax.vmap(apart(f))(xs)
+        return jax.vmap(apart(f))(*xs)
     except NotImplementedError:
-        return lax.map(apart(f), xs)
+        return lax.map(lambda args: apart(f)(*args), xs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1650,11 +1651,7 @@ class OutputsPullback:
                         for k, x in enumerate(self._out_structs)]
                 return vjp(tuple(full))
 
-            stacked = [cotangents[k] for k in ks]
-            if stacked[0].shape[0] == 1:  # (as _vmapped: a stack of one applied unbatched)
-                return jax.tree_util.tree_map(lambda y: lax.expand_dims(y, (0,)),
-                                              one(*(lax.squeeze(x, (0,)) for x in stacked)))
-            return jax.vmap(apart(one))(*stacked)
+            return _vmapped(one, *(cotangents[k] for k in ks))
 
         key = (id(source),) + tuple((k, id(before), id(scale)) for k, before, scale in routes)
         alive = (source,) + tuple(before for _, before, _ in routes) + tuple(scale for _, _, scale in routes)

@@ -1232,9 +1232,9 @@ def opaque(eqn, invals, outvals, wrt):
             for n, i in enumerate(wrt) for k in outs]
 
 
-def _vjp_of_outputs(eqn, invals, wrt) -> Callable:
-    """The VJP of all of ``eqn``'s outputs with respect to its inputs ``wrt`` together: the tuple of
-    output cotangents -> tuple of input cotangents."""
+def _outputs_of(eqn, invals, wrt) -> Callable:
+    """``eqn`` as a function of its inputs ``wrt`` (the others held at ``invals``): the tuple of its
+    outputs."""
     def of_wrt(*xs):
         full = list(invals)
         for i, x in zip(wrt, xs):
@@ -1242,17 +1242,17 @@ def _vjp_of_outputs(eqn, invals, wrt) -> Callable:
         out = bind(eqn, *full)
         return tuple(out) if eqn.primitive.multiple_results else (out,)
 
-    return jax.vjp(of_wrt, *(invals[i] for i in wrt))[1]
+    return of_wrt
+
+
+def _vjp_of_outputs(eqn, invals, wrt) -> Callable:
+    """The VJP of all of ``eqn``'s outputs with respect to its inputs ``wrt`` together: the tuple of
+    output cotangents -> tuple of input cotangents."""
+    return jax.vjp(_outputs_of(eqn, invals, wrt), *(invals[i] for i in wrt))[1]
 
 
 def _vjp_of_output(eqn, invals, wrt, k) -> Callable:
     """The VJP of output ``k`` of ``eqn`` with respect to its inputs ``wrt`` together: cotangent ->
     tuple of input cotangents (raises where JAX cannot transpose the equation)."""
-    def of_wrt(*xs):
-        full = list(invals)
-        for i, x in zip(wrt, xs):
-            full[i] = x
-        out = bind(eqn, *full)
-        return out[k] if eqn.primitive.multiple_results else out
-
-    return jax.vjp(of_wrt, *(invals[i] for i in wrt))[1]
+    outputs = _outputs_of(eqn, invals, wrt)
+    return jax.vjp(lambda *xs: outputs(*xs)[k], *(invals[i] for i in wrt))[1]
